@@ -6,7 +6,7 @@ CUDA tensors), so the same behaviour tests run on the host backend in CI and on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,13 @@ class Rig:
         self.salts[page] = salt
         for s, lo, hi in self.page_ranges(page):
             self.views[s][lo:hi].fill_(pattern(page, s, salt))
+        self.sync()
+
+    def sync(self) -> None:
+        """Waits for queued device work: a page must not be unmapped under a kernel still writing it (the
+        ledger's deferred free guarantees that in production; tests do it by hand)."""
+        if any(v.is_cuda for v in self.views):
+            torch.cuda.synchronize()
 
     def page_intact(self, page: int, salt: int = 0) -> bool:
         """True if every byte range of `page` still holds its pattern value."""
@@ -93,8 +100,10 @@ def make_rig(
     max_cached_bytes: int = 64 * MiB,
     history: int = 1024,
     pool: _vmm.HandlePool | None = None,
+    view: Callable[[_vmm.TensorSpace], torch.Tensor] = torch.from_dlpack,
 ) -> Rig:
-    """Builds a group; by default one space with one slot-aligned page per slot, and a pool of its own."""
+    """Builds a group; by default one space with one slot-aligned page per slot, and a pool of its own.
+    `view` turns a space into a byte tensor (DLPack by default; the fake-driver tests view host memory)."""
     if extents is None:
         extents = [(0, 0, page_size, page_size)]
     if space_sizes is None:
@@ -107,7 +116,7 @@ def make_rig(
     if pool is None:
         pool = _vmm.HandlePool(backend, max_cached_bytes)
     group = _vmm.SpaceGroup(spaces, list(extents), num_pages, pool, history)
-    views = [torch.from_dlpack(sp) for sp in spaces]
+    views = [view(sp) for sp in spaces]
     return Rig(backend, pool, spaces, group, list(extents), views)
 
 
