@@ -76,7 +76,9 @@ def median_of(repeat: int, run: Callable[[], tuple[float, float]]) -> tuple[floa
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
 
-def raw(backend: _vmm.Backend, handle: int, count: int, pooled: bool, repeat: int) -> tuple[Row, dict[str, float]]:
+def raw(
+    backend: _vmm.Backend, handle: int, count: int, pooled: bool, repeat: int
+) -> tuple[Row, dict[str, float]]:
     calls: dict[str, list[float]] = {}
 
     def once() -> tuple[float, float]:
@@ -128,15 +130,19 @@ def print_table(rows: list[Row], floors: dict[tuple[int, str], Row]) -> None:
         kind = "raw pooled" if "pooled" in r.setting else "raw fresh"
         floor = floors.get((r.handle_mib, kind))
         gx = f"{r.grow_s / floor.grow_s:8.2f}x" if floor and not r.setting.startswith("raw") else f"{'':9}"
-        sx = f"{r.shrink_s / floor.shrink_s:8.2f}x" if floor and not r.setting.startswith("raw") else f"{'':9}"
+        sx = (
+            f"{r.shrink_s / floor.shrink_s:8.2f}x" if floor and not r.setting.startswith("raw") else f"{'':9}"
+        )
         print(
-            f"{r.setting:<24}{r.page_mib:>5}Mi{r.pages:>7}{r.grow_ms_per_gib():>13.2f}{r.grow_us_per_2mib():>9.1f}"
-            f"{gx}{r.shrink_ms_per_gib():>15.2f}{r.shrink_us_per_2mib():>9.1f}{sx}"
+            f"{r.setting:<24}{r.page_mib:>5}Mi{r.pages:>7}"
+            f"{r.grow_ms_per_gib():>13.2f}{r.grow_us_per_2mib():>9.1f}{gx}{r.shrink_ms_per_gib():>15.2f}{r.shrink_us_per_2mib():>9.1f}{sx}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--gib", type=float, default=1.0, help="how much to grow and shrink per measurement")
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         facts += f", driver {backend.driver_version}"
     print(facts)
     free, total = backend.mem_info()
-    print(f"memory: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB; {args.gib} GiB per run, median of {args.repeat}")
+    print(f"memory: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB")
+    print(f"{args.gib} GiB grown and shrunk per measurement, median of {args.repeat}")
     print()
 
     rows: list[Row] = []
@@ -205,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"facts": facts, "rows": [asdict(r) for r in rows], "per_call_us": per_call}, f, indent=2)
+            json.dump(
+                {"facts": facts, "rows": [asdict(r) for r in rows], "per_call_us": per_call}, f, indent=2
+            )
     return 0
 
 

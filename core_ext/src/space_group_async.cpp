@@ -151,7 +151,8 @@ void SpaceGroup::close() noexcept {
       spaces_[sp]->backend()->note_cleanup_failure();
     }
   }
-  // Handles go back to the pool only when everything is known to be in order; otherwise straight to the driver.
+  // Handles go back to the pool only when everything is known to be in order; otherwise straight to the
+  // driver.
   for (Unit& u : units_) {
     if (!u.handle) continue;
     if (consistent_ && !spaces_[u.space]->unit_quarantined(u.start, nullptr)) {

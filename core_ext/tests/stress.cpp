@@ -7,14 +7,15 @@
 // the data plane must roll back while the other threads keep working. It arms the next failure only after
 // the previous one fired and every worker has finished the operation it was in (its rollback included), so
 // that two failures never meet in one rollback (that case -- a failed rollback -- is the fault-injection
-// suite's business). An observer thread reads every statistic concurrently. At the end every group must be consistent, every mapped page must hold its last
-// write, and closing everything must return the backend to zero handles and reservations.
+// suite's business). An observer thread reads every statistic concurrently. At the end every group must be
+// consistent, every mapped page must hold its last write, and closing everything must return the backend to
+// zero handles and reservations.
 //
 // Exit status 0 = all invariants held; 1 = an invariant failed (message on stderr). Under -fsanitize=thread
 // or -fsanitize=address the sanitizer reports (and fails) on races and memory errors.
 #include <atomic>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -64,8 +65,9 @@ struct Pool {
 Pool make_pool(const std::shared_ptr<Backend>& backend, const std::shared_ptr<HandlePool>& pool,
                std::uint64_t length) {
   auto space = std::make_shared<TensorSpace>(backend, kPages * length, 2 * kMiB);
-  auto group = std::make_shared<SpaceGroup>(std::vector<std::shared_ptr<TensorSpace>>{space},
-                                            std::vector<ExtentSpec>{{0, 0, length, length}}, kPages, pool, 64);
+  auto group =
+      std::make_shared<SpaceGroup>(std::vector<std::shared_ptr<TensorSpace>>{space},
+                                   std::vector<ExtentSpec>{{0, 0, length, length}}, kPages, pool, 64);
   return Pool{group, space, length, length};
 }
 
@@ -84,7 +86,7 @@ void worker(const Pool& pool, int id, int rounds, std::atomic<bool>* failed, std
   try {
     for (int round = 0; round < rounds && !failed->load(); ++round, progress->rounds[id].fetch_add(1)) {
       const int page = first + static_cast<int>(rng() % kPagesPerWorker);
-      const unsigned roll = rng() % 100;
+      const auto roll = static_cast<unsigned>(rng() % 100);
       const auto v = static_cast<unsigned char>(1 + (round + id) % 250);
       try {
         if (value[page] == 0) {
@@ -161,7 +163,8 @@ int main(int argc, char** argv) {
         const Op op = ops[rng() % 5];
         const std::size_t fired = fault->injected(op);
         fault->arm(op, 1 + static_cast<long>(rng() % 20), 1, rng() % 2 == 0);
-        while (!done.load() && fault->injected(op) == fired) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        while (!done.load() && fault->injected(op) == fired)
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
         // Quiescence: every worker has completed the round it was in when the failure fired.
         std::uint64_t seen[kWorkers];
         for (int w = 0; w < kWorkers; ++w) seen[w] = progress.rounds[w].load();
@@ -198,11 +201,12 @@ int main(int argc, char** argv) {
       }
       p->group->close();
     }
-    std::printf("pool: hits %zu misses %zu cached %zu; injected create %zu map %zu set_access %zu unmap %zu "
-                "release %zu\n",
-                handles->hits(), handles->misses(), handles->cached_handles(), fault->injected(Op::kCreate),
-                fault->injected(Op::kMap), fault->injected(Op::kSetAccess), fault->injected(Op::kUnmap),
-                fault->injected(Op::kRelease));
+    std::printf(
+        "pool: hits %zu misses %zu cached %zu; injected create %zu map %zu set_access %zu unmap %zu "
+        "release %zu\n",
+        handles->hits(), handles->misses(), handles->cached_handles(), fault->injected(Op::kCreate),
+        fault->injected(Op::kMap), fault->injected(Op::kSetAccess), fault->injected(Op::kUnmap),
+        fault->injected(Op::kRelease));
   }
   if (fault->live_handles() != 0 || fault->live_reservations() != 0) {
     failed.store(true);

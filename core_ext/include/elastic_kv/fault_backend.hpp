@@ -1,15 +1,16 @@
 // FaultInjectingBackend: makes the Nth call of a chosen backend operation fail, for tests.
 //
 // Problem: the rollback paths of the data plane (and the quarantine that follows a failed rollback) only run
-// when the driver fails, which a real driver does rarely and never on demand. This wrapper forwards every call
-// to an inner backend and, when armed, throws instead of forwarding -- before the inner call, so the inner
-// backend's state is untouched, exactly like a driver call that failed its validation.
+// when the driver fails, which a real driver does rarely and never on demand. This wrapper forwards every
+// call to an inner backend and, when armed, throws instead of forwarding -- before the inner call, so the
+// inner backend's state is untouched, exactly like a driver call that failed its validation.
 //
 //   arm(op, nth, times, oom): the nth call of `op` from now fails, and so do the following times-1 calls
 //                             (times < 0: every call from the nth on, until disarm()). `oom` selects
 //                             OutOfMemory (what cuMemCreate/cuMemMap report) over a generic DriverError.
 //
-//   delay(op, us):            every call of `op` first sleeps `us` microseconds (a slow driver), so that tests
+//   delay(op, us):            every call of `op` first sleeps `us` microseconds (a slow driver), so that
+//   tests
 //                             can observe work in flight (pending pre-mapping, interleaved threads).
 //
 // Tests enumerate injection points by counting calls per operation in an uninjected run (calls(op)) and then

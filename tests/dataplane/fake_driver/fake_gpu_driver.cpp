@@ -152,8 +152,10 @@ int map(State& s, std::uint64_t va, std::size_t size, std::size_t offset, std::u
   if (va + size > r->first + r->second) return kInvalidValue;
   auto next = s.mappings.lower_bound(va);
   if (next != s.mappings.end() && next->first < va + size) return kInvalidValue;
-  if (next != s.mappings.begin() && std::prev(next)->first + std::prev(next)->second.size > va) return kInvalidValue;
-  if (mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd, 0) == MAP_FAILED) {
+  if (next != s.mappings.begin() && std::prev(next)->first + std::prev(next)->second.size > va)
+    return kInvalidValue;
+  if (mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->second.fd, 0) ==
+      MAP_FAILED) {
     return kOutOfMemory;
   }
   s.mappings[va] = Mapping{size, id, false};
@@ -179,7 +181,8 @@ std::vector<std::map<std::uint64_t, Mapping>::iterator> tiles(State& s, std::uin
 int unmap(State& s, std::uint64_t va, std::size_t size) {
   auto t = tiles(s, va, size);
   if (t.empty() || (!s.multi_unmap && t.size() > 1)) return kInvalidValue;
-  mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+       -1, 0);
   for (auto& m : t) {
     auto h = s.handles.find(m->second.handle);
     --h->second.mappings;
@@ -223,9 +226,9 @@ struct AccessDesc {
   int flags;
 };
 
-#define GUARD(name)                                    \
-  State& s = state();                                  \
-  std::lock_guard<std::mutex> lock(s.mu);              \
+#define GUARD(name)                       \
+  State& s = state();                     \
+  std::lock_guard<std::mutex> lock(s.mu); \
   if (const int injected = enter(s, name)) return injected
 
 #define NEEDS_CONTEXT() \
@@ -288,7 +291,8 @@ int fake_cuMemGetAllocationGranularity(std::size_t* g, const AllocationProp* pro
   *g = s.granularity;
   return kOk;
 }
-int fake_cuMemAddressReserve(std::uint64_t* ptr, std::size_t size, std::size_t align, std::uint64_t, unsigned long long) {
+int fake_cuMemAddressReserve(std::uint64_t* ptr, std::size_t size, std::size_t align, std::uint64_t,
+                             unsigned long long) {
   GUARD("cuMemAddressReserve");
   NEEDS_CONTEXT();
   return reserve(s, ptr, size, align);
@@ -309,7 +313,8 @@ int fake_cuMemRelease(std::uint64_t h) {
   NEEDS_CONTEXT();
   return release(s, h);
 }
-int fake_cuMemMap(std::uint64_t va, std::size_t size, std::size_t offset, std::uint64_t h, unsigned long long) {
+int fake_cuMemMap(std::uint64_t va, std::size_t size, std::size_t offset, std::uint64_t h,
+                  unsigned long long) {
   GUARD("cuMemMap");
   NEEDS_CONTEXT();
   return map(s, va, size, offset, h);
@@ -332,13 +337,27 @@ int fake_cuMemsetD8(std::uint64_t va, unsigned char value, std::size_t size) {
 }
 int fake_cuGetErrorName(int code, const char** name) {
   switch (code) {
-    case kOk: *name = "CUDA_SUCCESS"; break;
-    case kInvalidValue: *name = "CUDA_ERROR_INVALID_VALUE"; break;
-    case kOutOfMemory: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-    case kNoDevice: *name = "CUDA_ERROR_NO_DEVICE"; break;
-    case kInvalidDevice: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
-    case kInvalidContext: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
-    default: *name = "CUDA_ERROR_UNKNOWN"; break;
+    case kOk:
+      *name = "CUDA_SUCCESS";
+      break;
+    case kInvalidValue:
+      *name = "CUDA_ERROR_INVALID_VALUE";
+      break;
+    case kOutOfMemory:
+      *name = "CUDA_ERROR_OUT_OF_MEMORY";
+      break;
+    case kNoDevice:
+      *name = "CUDA_ERROR_NO_DEVICE";
+      break;
+    case kInvalidDevice:
+      *name = "CUDA_ERROR_INVALID_DEVICE";
+      break;
+    case kInvalidContext:
+      *name = "CUDA_ERROR_INVALID_CONTEXT";
+      break;
+    default:
+      *name = "CUDA_ERROR_UNKNOWN";
+      break;
   }
   return kOk;
 }
@@ -541,11 +560,16 @@ int hipMemsetD8(void* ptr, unsigned char value, std::size_t size) {
 }
 const char* hipGetErrorName(int code) {
   switch (code) {
-    case kOk: return "hipSuccess";
-    case kOutOfMemory: return "hipErrorOutOfMemory";
-    case kNotSupported: return "hipErrorNotSupported";
-    case kInvalidDevice: return "hipErrorInvalidDevice";
-    default: return "hipErrorInvalidValue";
+    case kOk:
+      return "hipSuccess";
+    case kOutOfMemory:
+      return "hipErrorOutOfMemory";
+    case kNotSupported:
+      return "hipErrorNotSupported";
+    case kInvalidDevice:
+      return "hipErrorInvalidDevice";
+    default:
+      return "hipErrorInvalidValue";
   }
 }
 
