@@ -30,6 +30,16 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
+// A getter that drops the GIL while it waits for an object's mutex: a group's mutex can be held for a whole
+// driver batch by another thread (which never needs the GIL), and other Python threads must not stall on us.
+template <class T, class R>
+auto unlocked(R (T::*getter)() const) {
+  return [getter](const T& self) {
+    py::gil_scoped_release release;
+    return (self.*getter)();
+  };
+}
+
 // Python exception classes, looked up once at import (they live as long as the interpreter).
 struct ErrorTypes {
   PyObject* pool_exhausted = nullptr;
@@ -245,13 +255,14 @@ void bind_space(py::module_& m) {
       .def_property_readonly("size", &TensorSpace::size)
       .def_property_readonly("page_size", &TensorSpace::page_size)
       .def_property_readonly("num_slots", &TensorSpace::num_slots)
-      .def_property_readonly("consistent", &TensorSpace::consistent)
-      .def_property_readonly("error", &TensorSpace::error)
-      .def_property_readonly("quarantined_units", &TensorSpace::quarantined_units)
+      .def_property_readonly("consistent", unlocked(&TensorSpace::consistent))
+      .def_property_readonly("error", unlocked(&TensorSpace::error))
+      .def_property_readonly("quarantined_units", unlocked(&TensorSpace::quarantined_units))
       .def(
           "slot_state",
           [](const TensorSpace& s, std::int64_t slot) {
             if (slot < 0) throw InvalidArgument("slot must be non-negative");
+            py::gil_scoped_release release;
             return slot_state_name(s.slot_state(static_cast<std::size_t>(slot)));
           },
           py::arg("slot"))
@@ -296,7 +307,7 @@ void bind_group(py::module_& m) {
       .def("prepare", &SpaceGroup::prepare, py::arg("tx"), py::arg("pages"), Release())
       .def("commit", &SpaceGroup::commit, py::arg("tx"), Release())
       .def("abort", &SpaceGroup::abort, py::arg("tx"), Release())
-      .def("tx_state", &SpaceGroup::tx_state, py::arg("tx"))
+      .def("tx_state", &SpaceGroup::tx_state, py::arg("tx"), Release())
       .def("map_async", &SpaceGroup::map_async, py::arg("pages"), Release())
       .def(
           "collect",
@@ -316,30 +327,37 @@ void bind_group(py::module_& m) {
              py::gil_scoped_release release;
              g.close();
            })
-      .def("is_mapped", &SpaceGroup::is_mapped, py::arg("page"))
+      .def("is_mapped", &SpaceGroup::is_mapped, py::arg("page"), Release())
       .def(
           "page_state",
-          [](const SpaceGroup& g, std::int64_t page) { return page_state_name(g.page_state(page)); },
+          [](const SpaceGroup& g, std::int64_t page) {
+            py::gil_scoped_release release;
+            return page_state_name(g.page_state(page));
+          },
           py::arg("page"))
-      .def("mapped_pages", &SpaceGroup::mapped_pages)
+      .def("mapped_pages", &SpaceGroup::mapped_pages, Release())
       .def(
           "page_units",
           [](const SpaceGroup& g, std::int64_t page) {
+            std::vector<UnitInfo> units;
+            {
+              py::gil_scoped_release release;
+              units = g.page_units(page);
+            }
             py::list out;
-            for (const UnitInfo& u : g.page_units(page))
-              out.append(py::make_tuple(u.space, u.start_slot, u.nslots));
+            for (const UnitInfo& u : units) out.append(py::make_tuple(u.space, u.start_slot, u.nslots));
             return out;
           },
           py::arg("page"))
       .def_property_readonly("num_pages", &SpaceGroup::num_pages)
       .def_property_readonly("num_units", &SpaceGroup::num_units)
-      .def_property_readonly("num_mapped", &SpaceGroup::num_mapped)
-      .def_property_readonly("mapped_bytes", &SpaceGroup::mapped_bytes)
-      .def_property_readonly("held_handles", &SpaceGroup::held_handles)
-      .def_property_readonly("quarantined_handles", &SpaceGroup::quarantined_handles)
-      .def_property_readonly("consistent", &SpaceGroup::consistent)
-      .def_property_readonly("error", &SpaceGroup::error)
-      .def_property_readonly("closed", &SpaceGroup::closed)
+      .def_property_readonly("num_mapped", unlocked(&SpaceGroup::num_mapped))
+      .def_property_readonly("mapped_bytes", unlocked(&SpaceGroup::mapped_bytes))
+      .def_property_readonly("held_handles", unlocked(&SpaceGroup::held_handles))
+      .def_property_readonly("quarantined_handles", unlocked(&SpaceGroup::quarantined_handles))
+      .def_property_readonly("consistent", unlocked(&SpaceGroup::consistent))
+      .def_property_readonly("error", unlocked(&SpaceGroup::error))
+      .def_property_readonly("closed", unlocked(&SpaceGroup::closed))
       .def_property_readonly("spaces", &SpaceGroup::spaces)
       .def_property_readonly("pool", &SpaceGroup::pool);
 }
