@@ -27,9 +27,13 @@ Data structures (chosen for the per-block cost on the engine's scheduling thread
   buckets: best fit ("smallest page holding ``n``") is one shift and one lowest-set-bit, O(1);
 * ``_reserve`` / ``_pending`` / ``_unmapped``: stacks and a queue of page ids.
 
-Threading: engines drive a pool from one thread (vLLM's scheduler, SGLang's scheduler process). Every
-public method still takes ``self._lock`` (uncontended: tens of nanoseconds), so a metrics exporter or a
-control thread may call :meth:`snapshot`, :meth:`trim` or :meth:`resize` safely. The data plane's
+Threading: a pool has one owner thread, the engine's scheduling thread (vLLM's engine-core loop, SGLang's
+scheduler); every method that changes the pool raises ``RuntimeError`` when called from another thread
+(one ``get_ident()`` comparison, which is also the closed/inconsistent check: far cheaper than a lock on a
+path that runs per scheduled request). :meth:`bind_thread` hands the pool to another thread.
+:meth:`snapshot`, :meth:`available_size` and the read-only properties may be called from any thread: they
+only read (under the GIL), so a reader sees numbers at most one operation old. ``kvctl`` changes reach the
+pool through its shared record and are applied by :meth:`maintain`, on the owner thread. The data plane's
 background mapping thread never calls into Python; its results are picked up by :meth:`maintain` and
 ``alloc``.
 """
@@ -37,10 +41,10 @@ background mapping thread never calls into Python; its results are picked up by 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from threading import get_ident
 from typing import TYPE_CHECKING
 
 from elastic_kv.config import ElasticConfig
@@ -60,9 +64,6 @@ logger = logging.getLogger(__name__)
 # Page states (one byte per page in _page_state).
 _UNMAPPED, _USED, _RESERVE, _PENDING, _INFLIGHT = 0, 1, 2, 3, 4
 _STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight")
-
-# How long alloc waits for pages already being mapped in the background before it gives up on them.
-_INFLIGHT_WAIT_S = 2.0
 
 
 class KVCacheManager:
@@ -106,7 +107,6 @@ class KVCacheManager:
         self._name = name
         self._physical_free = physical_free
         self._clock = clock
-        self._lock = threading.Lock()
 
         nb, bpp, npages = geometry.num_blocks, geometry.blocks_per_page, geometry.num_pages
         self._nb, self._bpp, self._npages = nb, bpp, npages
@@ -134,6 +134,10 @@ class KVCacheManager:
         self._misses = 0
         self._broken: str | None = None
         self._closed = False
+        # The owner thread's ident while the pool is usable, -1 once it is closed or inconsistent: one
+        # comparison on the hot paths checks both.
+        self._thread = get_ident()
+        self._owner = self._thread
         cfg = self._cfg
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
         # Physical headroom from outside the pool (record: limit + GPU-wide budget; driver free memory),
@@ -153,7 +157,7 @@ class KVCacheManager:
             self._map_now([page])
             self._page_free[page] = [b for b in reversed(geometry.blocks_of(page)) if b != null_block]
             self._page_state[page] = _USED
-            self._live[null_block] = 1
+            self._live[null_block] = 2  # live, and never accepted by free()
             self._used = 1
             self._free_backed = len(self._page_free[page])
             self._rebucket(page)
@@ -236,14 +240,39 @@ class KVCacheManager:
             if n < 0:
                 raise ValueError(f"cannot allocate {n} blocks")
             return []
-        with self._lock:
-            self._check_usable()
-            grown = 0
-            if n > self._free_backed:
-                grown = self._grow(n)
-                if grown < 0:
-                    return None
-            return self._take(n, grown)
+        if get_ident() != self._owner:
+            self._refuse()
+        mask = self._mask
+        fit = mask >> n
+        if fit:
+            # Fast path (a decode step, most prefills): one partly used page holds the whole run; the
+            # smallest such page is the lowest set bit of the bucket mask at or above n.
+            k = n + ((fit & -fit).bit_length() - 1)
+            bucket = self._buckets[k]
+            page, _ = bucket.popitem()
+            if not bucket:
+                mask ^= 1 << k
+            free = self._page_free[page]
+            out = free[-n:]
+            del free[-n:]
+            rest = k - n
+            self._page_bucket[page] = rest
+            if rest:
+                self._buckets[rest][page] = None
+                mask |= 1 << rest
+            self._mask = mask
+            live = self._live
+            for b in out:
+                live[b] = 1
+            self._free_backed -= n
+            self._used += n
+            return out
+        grown = 0
+        if n > self._free_backed:
+            grown = self._grow(n)
+            if grown < 0:
+                return None
+        return self._take(n, grown)
 
     def _grow(self, n: int) -> int:
         """Make ``_free_backed >= n``: collect finished background maps, wait for running ones if they are
@@ -269,9 +298,11 @@ class KVCacheManager:
         try:
             self._map_now(pages)
         except PoolExhausted:
-            self._push_unmapped(pages)
-            self._room_read_at = float("-inf")  # re-read the driver's free memory at the next maintain()
+            self._unpop_unmapped(pages)
             return -1
+        except BaseException:
+            self._unpop_unmapped(pages)  # a driver error after the data plane's rollback: nothing changed
+            raise
         for page in pages:
             self._page_to_reserve(page)
         return waited + len(pages)
@@ -335,50 +366,66 @@ class KVCacheManager:
         ``ids`` must be Python ints. ``ValueError`` with nothing changed if an id is out of range, not live
         (double free, never issued, another pool's id), repeated, or the null block.
         """
-        blocks = ids if isinstance(ids, (list, tuple)) else list(ids)
+        blocks = ids if type(ids) is list else list(ids)
         if not blocks:
             return
-        with self._lock:
-            self._check_usable()
-            self._free(blocks)
-
-    def _free(self, blocks: Sequence[int]) -> None:
-        live, nb, null = self._live, self._nb, self._null
-        for i, b in enumerate(blocks):
-            if type(b) is not int or not 0 <= b < nb or not live[b] or b == null:
-                for undo in blocks[:i]:
-                    live[undo] = 1
-                raise ValueError(self._bad_id_message(blocks, i))
-            live[b] = 0
-        bpp, page_free = self._bpp, self._page_free
-        touched: dict[int, None] = {}
+        if get_ident() != self._owner:
+            self._refuse()
+        live, nb = self._live, self._nb
         for b in blocks:
-            p = b // bpp
-            page_free[p].append(b)
-            touched[p] = None
-        self._free_backed += len(blocks)
-        self._used -= len(blocks)
-        emptied: list[int] = []
-        for p in touched:
-            self._unbucket(p)
-            if len(page_free[p]) == self._cap(p):
+            # live[b] is 1 for an issued block, 0 for a free one, 2 for the null block
+            if type(b) is not int or not 0 <= b < nb or live[b] != 1:
+                raise ValueError(self._bad_id_message(blocks))
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
+            raise ValueError(self._bad_id_message(blocks))
+        self._release_blocks(blocks)
+
+    def _release_blocks(self, blocks: list[int]) -> None:
+        """Mark valid, distinct live ``blocks`` free and re-file their pages."""
+        live, bpp, page_free = self._live, self._bpp, self._page_free
+        for b in blocks:
+            live[b] = 0
+            page_free[b // bpp].append(b)
+        n = len(blocks)
+        self._free_backed += n
+        self._used -= n
+        pages = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
+        buckets, page_bucket, mask = self._buckets, self._page_bucket, self._mask
+        last, emptied = self._npages - 1, []
+        for p in pages:
+            k = page_bucket[p]
+            if k:
+                bucket = buckets[k]
+                del bucket[p]
+                if not bucket:
+                    mask ^= 1 << k
+            free = len(page_free[p])
+            if free == (bpp if p != last else self._last_cap):
+                page_bucket[p] = 0
                 emptied.append(p)
             else:
-                self._rebucket(p)
+                page_bucket[p] = free
+                buckets[free][p] = None
+                mask |= 1 << free
+        self._mask = mask
         if emptied:
             self._retire(emptied)
 
-    def _bad_id_message(self, blocks: Sequence[int], i: int) -> str:
-        b = blocks[i]
-        if type(b) is not int:
-            return f"block id {b!r} is not an int"
-        if not 0 <= b < self._nb:
-            return f"block id {b} outside this pool's 0..{self._nb - 1}"
-        if b == self._null:
-            return f"block {b} is the null block; it is never freed"
-        if b in blocks[:i]:
-            return f"block {b} appears twice in one free()"
-        return f"block {b} is not live (double free, or an id this pool never issued)"
+    def _bad_id_message(self, blocks: Sequence[int]) -> str:
+        seen: set[int] = set()
+        for b in blocks:
+            if type(b) is not int:
+                return f"block id {b!r} is not an int"
+            if not 0 <= b < self._nb:
+                return f"block id {b} outside this pool's 0..{self._nb - 1}"
+            if b == self._null:
+                return f"block {b} is the null block; it is never freed"
+            if b in seen:
+                return f"block {b} appears twice in one free()"
+            if not self._live[b]:
+                return f"block {b} is not live (double free, or an id this pool never issued)"
+            seen.add(b)
+        raise AssertionError("no bad id")  # pragma: no cover
 
     def _retire(self, pages: list[int]) -> None:
         """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap."""
@@ -410,24 +457,25 @@ class KVCacheManager:
         """Start a new release epoch and return its number. Call it when the engine launches GPU work that
         may touch blocks freed later; pages emptied from now on wait for ``release_through`` of this
         epoch (or a later one) before they can be unmapped."""
-        with self._lock:
-            self._epoch += 1
-            return self._epoch
+        if get_ident() != self._owner:
+            self._refuse()
+        self._epoch += 1
+        return self._epoch
 
     def release_through(self, epoch: int) -> int:
         """The engine's GPU work launched up to ``epoch`` has finished: pages emptied in epochs <= ``epoch``
         may be unmapped now (or kept in the reserve). Returns how many pages left the pending state."""
-        with self._lock:
-            self._check_usable()
-            ready: list[int] = []
-            while self._pending and self._pending[0][0] <= epoch:
-                e, p = self._pending.popleft()
-                if self._pending_epoch.get(p) == e:  # else: reused since, or emptied again later
-                    del self._pending_epoch[p]
-                    ready.append(p)
-            if ready:
-                self._settle(ready)
-            return len(ready)
+        if get_ident() != self._owner:
+            self._refuse()
+        ready: list[int] = []
+        while self._pending and self._pending[0][0] <= epoch:
+            e, p = self._pending.popleft()
+            if self._pending_epoch.get(p) == e:  # else: reused since, or emptied again later
+                del self._pending_epoch[p]
+                ready.append(p)
+        if ready:
+            self._settle(ready)
+        return len(ready)
 
     # -- background pre-mapping -------------------------------------------------------------------------
 
@@ -438,26 +486,26 @@ class KVCacheManager:
         refreshes the physical headroom (driver free memory, at most every ``free_memory_ttl_s``), sizes
         the reserve from recent growth and refills or trims it, and publishes a snapshot.
         """
-        with self._lock:
-            self._check_usable()
-            if self._inflight:
-                self._collect()
-            if self._record is not None:
-                events = self._record.poll()
-                if events.limit_changed:
-                    self._apply_limit(self._record.limit_bytes)
-                if events.trim_requested:
-                    self._trim_reserve(0)
-            self._refresh_room()
-            target = 0 if self._over_limit() else self._policy.end_interval()
-            if len(self._reserve) > target:
-                self._trim_reserve(target)
-            elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
-                if self._async:
-                    self._refill_async()
-                else:
-                    self._refill_sync(target - len(self._reserve))
-            self._publish()
+        if get_ident() != self._owner:
+            self._refuse()
+        if self._inflight:
+            self._collect()
+        if self._record is not None:
+            events = self._record.poll()
+            if events.limit_changed:
+                self._apply_limit(self._record.limit_bytes)
+            if events.trim_requested:
+                self._trim_reserve(0)
+        self._refresh_room()
+        target = 0 if self._over_limit() else self._policy.end_interval()
+        if len(self._reserve) > target:
+            self._trim_reserve(target)
+        elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+            if self._async:
+                self._refill_async()
+            else:
+                self._refill_sync(target - len(self._reserve))
+        self._publish()
 
     def _refill_async(self) -> None:
         """Queue background maps to bring reserve + in-flight pages up to the policy's target, within the
@@ -490,16 +538,19 @@ class KVCacheManager:
         try:
             self._map_now(pages)
         except PoolExhausted:
-            self._push_unmapped(pages)
+            self._unpop_unmapped(pages)
             return
+        except BaseException:
+            self._unpop_unmapped(pages)
+            raise
         for p in pages:
             self._page_to_reserve(p)
 
-    def _collect(self) -> None:
-        """Take in the background maps that finished: mapped pages join the reserve, failed ones return
-        to the unmapped pages with their charge."""
+    def _collect(self, wait: bool = False) -> None:
+        """Take in the background maps that finished (all of them, with ``wait``): mapped pages join the
+        reserve, failed ones return to the unmapped pages with their charge."""
         assert isinstance(self._mapper, AsyncPageMapper)
-        for job, pages, error in self._mapper.collect():
+        for job, pages, error in self._mapper.collect(wait):
             mine = self._inflight.pop(job, None)
             if mine is None or sorted(mine) != sorted(pages):
                 self._fail(f"data plane reported map job {job} ({pages}) that the ledger did not queue")
@@ -508,10 +559,14 @@ class KVCacheManager:
                 for p in mine:
                     self._inflight_pages -= 1
                     self._page_to_reserve(p)
-            else:
+            elif error.startswith("StateConsistencyError"):
+                self._fail(f"background map of pages {mine} failed to roll back: {error}")
+            else:  # PoolExhausted, a driver error rolled back, or cancelled: nothing was mapped
                 logger.debug("background map of pages %s failed: %s", mine, error)
                 self._room_read_at = float("-inf")
                 self._undo_inflight(mine)
+        if self._over_limit():
+            self._trim_reserve(0)  # the limit was lowered while these were in flight
 
     def _undo_inflight(self, pages: list[int]) -> None:
         """In-flight pages that will not be mapped: back to unmapped, their charge returned."""
@@ -523,10 +578,19 @@ class KVCacheManager:
         self._uncharge(nbytes)
 
     def _await_inflight(self) -> None:
-        deadline = self._clock() + _INFLIGHT_WAIT_S
-        while self._inflight and self._clock() < deadline:
-            time.sleep(0.0001)
-            self._collect()
+        """Wait for every queued background map (they are needed now: a sync map would queue behind
+        them in the driver anyway)."""
+        self._collect(wait=True)
+
+    def settle(self) -> None:
+        """Wait for every background map queued so far and take it in (its pages join the reserve).
+
+        Engines call it before sleeping or tearing a pool down; tests call it to make a pool's state
+        independent of the background thread's timing."""
+        if get_ident() != self._owner:
+            self._refuse()
+        if self._inflight:
+            self._collect(wait=True)
 
     # -- limits -----------------------------------------------------------------------------------------
 
@@ -536,9 +600,9 @@ class KVCacheManager:
         live blocks drain; a page with live blocks is never unmapped. ``ValueError`` if negative."""
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes={limit_bytes} must be >= 0 (0 = no limit)")
-        with self._lock:
-            self._check_usable()
-            self._apply_limit(limit_bytes)
+        if get_ident() != self._owner:
+            self._refuse()
+        self._apply_limit(limit_bytes)
 
     def _apply_limit(self, limit_bytes: int) -> None:
         self._limit = limit_bytes
@@ -551,9 +615,9 @@ class KVCacheManager:
     def trim(self) -> int:
         """Unmap every reserve page now; returns how many were unmapped. Pages pending release stay until
         their epoch is released."""
-        with self._lock:
-            self._check_usable()
-            return self._trim_reserve(0)
+        if get_ident() != self._owner:
+            self._refuse()
+        return self._trim_reserve(0)
 
     def _trim_reserve(self, keep: int) -> int:
         excess = len(self._reserve) - keep
@@ -567,33 +631,34 @@ class KVCacheManager:
     def clear(self) -> None:
         """Free every live block but the null block (engine reset), then unmap the reserve. With
         ``defer_release`` the emptied pages still wait for ``release_through``."""
-        with self._lock:
-            self._check_usable()
-            live = [b for b in range(self._nb) if self._live[b] and b != self._null]
-            if live:
-                self._free(live)
-            self._trim_reserve(0)
+        if get_ident() != self._owner:
+            self._refuse()
+        live = [b for b in range(self._nb) if self._live[b] and b != self._null]
+        if live:
+            self._release_blocks(live)
+        self._trim_reserve(0)
 
     def close(self) -> None:
         """Unmap every page (the null block's too) and return the charge. The pool is unusable after;
         idempotent. Only call it when no GPU work can touch the pool any more."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._broken is None:
-                if self._inflight:
-                    self._await_inflight()
-                backed = self.mapped_pages()
-                if backed:
-                    self._unmap_now(backed)
-            self._closed = True
+        if get_ident() != self._thread:
+            self._check_thread()
+        if self._closed:
+            return
+        if self._broken is None:
+            if self._inflight:
+                self._await_inflight()
+            backed = self.mapped_pages()
+            if backed:
+                self._unmap_now(backed, closing=True)
+        self._closed = True
+        self._owner = -1
 
     # -- snapshot ---------------------------------------------------------------------------------------
 
     def snapshot(self) -> PoolSnapshot:
         """The pool's statistics now."""
-        with self._lock:
-            return self._snapshot()
+        return self._snapshot()
 
     def _snapshot(self) -> PoolSnapshot:
         if self._closed:
@@ -649,6 +714,11 @@ class KVCacheManager:
         page = self._unmapped.pop()
         self._unmapped_blocks -= self._cap(page)
         return page
+
+    def _unpop_unmapped(self, pages: list[int]) -> None:
+        """Undo ``_pop_unmapped`` calls that returned ``pages`` (in that order): the stack is as before."""
+        self._unmapped.extend(reversed(pages))
+        self._unmapped_blocks += sum(self._cap(p) for p in pages)
 
     def _push_unmapped(self, pages: list[int]) -> None:
         """Pages back to the unmapped stack, lowest id on top (so it is mapped again first)."""
@@ -721,7 +791,9 @@ class KVCacheManager:
                 self._record.uncharge(nbytes)
 
     def _map_now(self, pages: list[int]) -> None:
-        """Charge and back ``pages`` synchronously; PoolExhausted (nothing changed) if either fails."""
+        """Charge and back ``pages`` synchronously. Raises (with the charge returned and the data plane
+        unchanged) ``PoolExhausted`` when the limit, the budget or the driver refuses, or the data plane's
+        error for another driver failure; marks the pool inconsistent if the data plane is."""
         nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
         if not self._charge(nbytes):
             raise PoolExhausted(f"pool {self._name}: no room for {nbytes} more bytes (limit or budget)")
@@ -730,24 +802,39 @@ class KVCacheManager:
             self._mapper.map(pages)
         except PoolExhausted:
             self._uncharge(nbytes)
+            self._room_read_at = float("-inf")  # re-read the driver's free memory at the next maintain()
             raise
         except StateConsistencyError as exc:
-            self._uncharge(nbytes)
             self._fail(f"map of pages {pages} failed to roll back: {exc}")
         except ValueError as exc:
-            self._uncharge(nbytes)
             self._fail(f"data plane refused to map pages {pages} the ledger holds unmapped: {exc}")
+        except BaseException:
+            self._uncharge(nbytes)
+            raise
         if self._record is not None:
             self._record.observe("map", time.perf_counter() - start)
 
-    def _unmap_now(self, pages: list[int]) -> None:
-        """Unmap backed pages (empty ones; at close, any) and return their charge."""
+    def _unmap_now(self, pages: list[int], *, closing: bool = False) -> None:
+        """Unmap backed, empty pages and return their charge (at close: every page, live or not).
+
+        A driver error that the data plane rolled back (the pages stay mapped) is pressure, not a fault:
+        the pages stay backed in the reserve, over its target, and the next maintain() tries again."""
         nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
         start = time.perf_counter()
         try:
             self._mapper.unmap(pages)
         except (StateConsistencyError, ValueError) as exc:
             self._fail(f"unmap of pages {pages} failed: {exc}")
+        except Exception as exc:
+            if closing:
+                raise
+            logger.warning(
+                "pool %s: unmap of pages %s failed, keeping them backed: %s", self._name, pages, exc
+            )
+            for p in pages:
+                self._page_state[p] = _RESERVE
+            self._reserve.extend(pages)
+            return
         if self._record is not None:
             self._record.observe("unmap", time.perf_counter() - start)
         for p in pages:
@@ -760,11 +847,28 @@ class KVCacheManager:
 
     def _fail(self, message: str) -> None:
         self._broken = message
+        self._owner = -1
         logger.error("pool %s is inconsistent: %s", self._name, message)
         raise StateConsistencyError(f"pool {self._name}: {message}")
 
-    def _check_usable(self) -> None:
+    def _refuse(self) -> None:
+        """Raise why the calling thread may not change the pool now."""
+        self._check_thread()
         if self._closed:
             raise ValueError(f"pool {self._name} is closed")
         if self._broken is not None:
             raise StateConsistencyError(f"pool {self._name} is inconsistent: {self._broken}")
+
+    def _check_thread(self) -> None:
+        if get_ident() != self._thread:
+            raise RuntimeError(
+                f"pool {self._name} is driven by thread {self._thread}, not {get_ident()}: call "
+                f"bind_thread() on the thread that drives it (a pool is not shared between threads)"
+            )
+
+    def bind_thread(self) -> None:
+        """Make the calling thread the pool's owner (e.g. the pool was built on a start-up thread and the
+        engine schedules on another). The previous owner must not touch the pool any more."""
+        self._thread = get_ident()
+        if not self._closed and self._broken is None:
+            self._owner = self._thread
