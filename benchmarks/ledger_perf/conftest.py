@@ -8,11 +8,11 @@ _RESULTS = pytest.StashKey[dict[tuple[str, int], float]]()
 
 
 @pytest.fixture
-def record_per_block(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def record_per_block(request: pytest.FixtureRequest):
     """Call with (allocator name, blocks per call, the finished benchmark fixture)."""
     results = request.config.stash.setdefault(_RESULTS, {})
 
-    def record(name: str, n: int, benchmark) -> None:  # type: ignore[no-untyped-def]
+    def record(name: str, n: int, benchmark) -> None:
         stats = benchmark.stats.stats
         results[(name, n)] = stats.median / n
         benchmark.extra_info["per_block_ns"] = round(stats.median / n * 1e9, 1)
@@ -20,7 +20,7 @@ def record_per_block(request: pytest.FixtureRequest):  # type: ignore[no-untyped
     return record
 
 
-def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     results = config.stash.get(_RESULTS, {})
     sizes = sorted({n for _, n in results})
     if not sizes:

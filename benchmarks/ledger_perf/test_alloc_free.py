@@ -53,7 +53,7 @@ def replay(ops: list[tuple[str, int]], alloc: Any, free: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm_pool():  # type: ignore[no-untyped-def]
+def vllm_pool():
     block_pool = pytest.importorskip("vllm.v1.core.block_pool")
     pool = block_pool.BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=16)
     replay(background_trace(), pool.get_new_blocks, pool.free_blocks)
@@ -74,7 +74,7 @@ def ledger() -> Iterator[KVCacheManager]:
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_vllm_block_pool(benchmark, vllm_pool, record_per_block, n: int) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_block_pool(benchmark, vllm_pool, record_per_block, n: int) -> None:
     get, put = vllm_pool.get_new_blocks, vllm_pool.free_blocks
 
     def round_trip() -> None:
@@ -86,11 +86,13 @@ def test_vllm_block_pool(benchmark, vllm_pool, record_per_block, n: int) -> None
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_ledger(benchmark, ledger: KVCacheManager, record_per_block, n: int) -> None:  # type: ignore[no-untyped-def]
+def test_ledger(benchmark, ledger: KVCacheManager, record_per_block, n: int) -> None:
     alloc, free = ledger.alloc, ledger.free
 
     def round_trip() -> None:
-        free(alloc(n))
+        blocks = alloc(n)
+        assert blocks is not None
+        free(blocks)
 
     benchmark.group = f"alloc+free n={n}"
     misses = ledger.snapshot().reserve_misses

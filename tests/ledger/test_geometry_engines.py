@@ -48,7 +48,7 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def vllm_api():  # type: ignore[no-untyped-def]
+def vllm_api():
     vllm = pytest.importorskip("vllm")
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
@@ -78,7 +78,7 @@ def vllm_api():  # type: ignore[no-untyped-def]
     }
 
 
-def vllm_geometry(api: dict, cfg, layout, page_size: int) -> BlockGeometry:  # type: ignore[no-untyped-def,type-arg]
+def vllm_geometry(api: dict, cfg, layout, page_size: int) -> BlockGeometry:
     """What the vLLM plugin does: one family list per KVCacheTensor, from vLLM's own stride helper."""
     families: list[BlockFamily] = []
     for tensor in cfg.kv_cache_tensors:
@@ -100,7 +100,7 @@ def vllm_geometry(api: dict, cfg, layout, page_size: int) -> BlockGeometry:  # t
     )
 
 
-def vllm_specs(api: dict) -> dict[str, list]:  # type: ignore[type-arg]
+def vllm_specs(api: dict) -> dict[str, list]:
     full = api["Full"]
     return {
         "full-64": [full(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)],
@@ -117,7 +117,7 @@ def vllm_specs(api: dict) -> dict[str, list]:  # type: ignore[type-arg]
 @pytest.mark.parametrize("spec_name", ["full-64", "full-80", "mla", "hybrid"])
 @pytest.mark.parametrize("layout_name", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
 @pytest.mark.parametrize("page_size", [4 * KIB, 64 * KIB])
-def test_vllm_layouts(vllm_api: dict, spec_name: str, layout_name: str, page_size: int) -> None:  # type: ignore[type-arg]
+def test_vllm_layouts(vllm_api: dict, spec_name: str, layout_name: str, page_size: int) -> None:
     layout = vllm_api["Layout"][layout_name]
     specs = vllm_specs(vllm_api)[spec_name]
     groups = [vllm_api["Group"]([f"g{g}.l{i}" for i in range(3)], spec) for g, spec in enumerate(specs)]
@@ -141,7 +141,7 @@ def test_vllm_layouts(vllm_api: dict, spec_name: str, layout_name: str, page_siz
 
 
 @pytest.fixture(scope="module")
-def sglang_pools():  # type: ignore[no-untyped-def]
+def sglang_pools():
     try:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     except ImportError as exc:  # SGLang 0.5.23 imports torchvision at module level (see RECIPES.md)
@@ -162,16 +162,16 @@ def sglang_geometry(
             ptr = t.untyped_storage().data_ptr()
             if ptr not in storages:
                 storages.append(ptr)
-                sizes.append(t.untyped_storage().nbytes())
+                sizes.append(int(t.untyped_storage().nbytes()))
                 offsets.append([])
-            offsets[storages.index(ptr)].append(t.storage_offset() * t.element_size())
+            offsets[storages.index(ptr)].append(int(t.storage_offset()) * t.element_size())
     return BlockGeometry.from_token_buffers(sizes, offsets, row_bytes, rows_per_block, num_blocks, page_size)
 
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("sgl_page", [1, 4])
-def test_sglang_mha_layouts(sglang_pools, layout: str, sgl_page: int) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_mha_layouts(sglang_pools, layout: str, sgl_page: int) -> None:
     mha, _ = sglang_pools
     pool = mha(
         size=200,
@@ -200,7 +200,7 @@ def test_sglang_mha_layouts(sglang_pools, layout: str, sgl_page: int) -> None:  
 
 
 @pytest.mark.sglang
-def test_sglang_mla_layout(sglang_pools) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_mla_layout(sglang_pools) -> None:
     _, mla = sglang_pools
     pool = mla(
         size=200,

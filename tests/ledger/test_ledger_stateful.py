@@ -180,7 +180,7 @@ class LedgerMachine(RuleBasedStateMachine):
         check_invariants(self.pool, self.live)
         led = self.pool.ledger
         assert self.record.charged_bytes == led.charged_bytes
-        limit = led._limit
+        limit = led.snapshot().limit_bytes
         if limit and led.charged_bytes > limit:
             assert led.snapshot().reserve_pages == 0, "a pool over its limit keeps a reserve"
             if self.over_limit_charge is not None:

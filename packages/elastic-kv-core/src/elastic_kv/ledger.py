@@ -5,7 +5,7 @@ needed. It is the single owner of "which page is backed": the data plane (throug
 :class:`~elastic_kv.mapper.PageMapper`) only executes its decisions, and the shared record
 (``elastic_kv.registry.PoolRecord``) is charged for every byte before it is backed.
 
-Page life cycle (``_UNMAPPED`` -> ``_USED`` <-> ``_RESERVE`` / ``_PENDING`` -> ``_UNMAPPED``)::
+Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNMAPPED``)::
 
     UNMAPPED --map (sync) or map_async + collect--> RESERVE --alloc--> USED (>= 1 live block)
     USED --last block freed--> RESERVE (room under the cap)   | PENDING (defer_release) | UNMAPPED
@@ -18,14 +18,15 @@ free blocks -- kvcached's rule), then from backed empty pages (pending release, 
 reserve), and only then by mapping new pages. Backed empty pages come after partly used ones because
 taking a fresh page while a partial one has room would leave two pages half full instead of one full.
 
-Data structures (chosen for the per-block cost on the engine's scheduling thread):
+The data structures (O(1) best fit, per-page free stacks) are in :mod:`elastic_kv.pagebook`; the
+physical accounting (limit, shared record, cached headroom) in :mod:`elastic_kv.physical`; the reserve's
+sizing in :mod:`elastic_kv.reserve`.
 
-* ``_live``: a ``bytearray`` over block ids -- O(1) double-free / foreign-id checks;
-* ``_page_free[p]``: the free block ids of each backed page, a list used as a stack (``alloc`` slices
-  blocks off its end, ``free`` appends), so serving ``n`` blocks from a page is one slice;
-* ``_buckets[k]``: the partly used pages with exactly ``k`` free blocks, plus a bit mask of non-empty
-  buckets: best fit ("smallest page holding ``n``") is one shift and one lowest-set-bit, O(1);
-* ``_reserve`` / ``_pending`` / ``_unmapped``: stacks and a queue of page ids.
+Epochs (``defer_release``): the engine calls :meth:`KVCacheManager.advance_epoch` when it launches GPU
+work and :meth:`KVCacheManager.release_through` with that epoch once the work finished. A page emptied
+while epoch ``e`` is current is unmapped only after ``release_through(e)``: GPU work queued before the free
+may still read or write it (kvcached #463), and unmapping under a running kernel is a fault that kills
+the CUDA context.
 
 Threading: a pool has one owner thread, the engine's scheduling thread (vLLM's engine-core loop, SGLang's
 scheduler); every method that changes the pool raises ``RuntimeError`` when called from another thread
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
@@ -51,6 +51,8 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.mapper import AsyncPageMapper, PageMapper
+from elastic_kv.pagebook import INFLIGHT, PENDING, RESERVE, UNMAPPED, USED, PageBook
+from elastic_kv.physical import PhysicalAccount
 from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
@@ -61,12 +63,8 @@ __all__ = ["KVCacheManager"]
 
 logger = logging.getLogger(__name__)
 
-# Page states (one byte per page in _page_state).
-_UNMAPPED, _USED, _RESERVE, _PENDING, _INFLIGHT = 0, 1, 2, 3, 4
-_STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight")
 
-
-class KVCacheManager:
+class KVCacheManager(PageBook):
     """Block ids for one engine KV pool, backed page by page (see the module docstring).
 
     Args:
@@ -99,37 +97,14 @@ class KVCacheManager:
         physical_free: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._geo = geometry
+        super().__init__(geometry)
+        nb, bpp = self._nb, self._bpp
         self._mapper = mapper
         self._async = isinstance(mapper, AsyncPageMapper)
         self._cfg = config or ElasticConfig()
-        self._record = record
         self._name = name
-        self._physical_free = physical_free
-        self._clock = clock
 
-        nb, bpp, npages = geometry.num_blocks, geometry.blocks_per_page, geometry.num_pages
-        self._nb, self._bpp, self._npages = nb, bpp, npages
-        self._last_cap = nb - (npages - 1) * bpp  # blocks on the last page
-        self._live = bytearray(nb)
-        self._page_state = bytearray(npages)
-        self._page_free: list[list[int]] = [[] for _ in range(npages)]
-        self._page_bucket = [0] * npages  # the bucket a USED page is in (0 = none: full, or not USED)
-        self._buckets: list[dict[int, None]] = [{} for _ in range(bpp + 1)]
-        self._mask = 0  # bit k set <=> _buckets[k] is not empty
-        self._reserve: list[int] = []
-        self._pending: deque[tuple[int, int]] = deque()  # (epoch, page); stale entries are skipped
-        self._pending_epoch: dict[int, int] = {}  # PENDING page -> epoch it emptied in
-        self._unmapped = list(range(npages - 1, -1, -1))  # a stack: lowest page ids are mapped first
-        self._inflight: dict[int, list[int]] = {}  # map_async job id -> its pages
-
-        self._free_backed = 0  # free blocks on USED/RESERVE/PENDING pages
-        self._unmapped_blocks = nb
-        self._inflight_pages = 0
-        self._used = 0  # live blocks, the null block included
-        self._charged = 0  # physical bytes charged: slots of every backed or in-flight page, counted once
         self._epoch = 0
-        self._limit = self._cfg.limit_bytes
         self._hits = 0
         self._misses = 0
         self._broken: str | None = None
@@ -140,12 +115,7 @@ class KVCacheManager:
         self._owner = self._thread
         cfg = self._cfg
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
-        # Physical headroom from outside the pool (record: limit + GPU-wide budget; driver free memory),
-        # read in maintain() and corrected by our own charges since, so alloc never asks the driver.
-        self._outside_room = 1 << 62
-        self._charged_at_read = 0
-        self._room_read_at = float("-inf")
-        self._published_at = float("-inf")
+        self._phys = PhysicalAccount(cfg, record, physical_free, clock)
 
         self._null = null_block
         if null_block is not None:
@@ -156,12 +126,11 @@ class KVCacheManager:
             self._unmapped_blocks -= self._cap(page)
             self._map_now([page])
             self._page_free[page] = [b for b in reversed(geometry.blocks_of(page)) if b != null_block]
-            self._page_state[page] = _USED
+            self._page_state[page] = USED
             self._live[null_block] = 2  # live, and never accepted by free()
-            self._used = 1
             self._free_backed = len(self._page_free[page])
             self._rebucket(page)
-        self._refresh_room(force=True)
+        self._phys.refresh(force=True)
 
     # -- queries ----------------------------------------------------------------------------------------
 
@@ -184,12 +153,12 @@ class KVCacheManager:
     def charged_bytes(self) -> int:
         """Physical bytes charged for backed and in-flight pages (== the data plane's mapped bytes once
         in-flight jobs are collected)."""
-        return self._charged
+        return self._phys.charged
 
     @property
     def used_blocks(self) -> int:
         """Live blocks issued to the engine (the null block excluded)."""
-        return self._used - (self._null is not None)
+        return self._live_count() - (self._null is not None)
 
     @property
     def reserve_hit_rate(self) -> float:
@@ -198,19 +167,6 @@ class KVCacheManager:
         total = self._hits + self._misses
         return 1.0 if total == 0 else self._hits / total
 
-    def page_state(self, page: int) -> str:
-        """``"unmapped" | "used" | "reserve" | "pending" | "inflight"`` (for tests and diagnostics)."""
-        return _STATE_NAMES[self._page_state[page]]
-
-    def is_live(self, block: int) -> bool:
-        """Whether ``block`` is issued (the null block is always live)."""
-        return bool(self._live[block])
-
-    def mapped_pages(self) -> list[int]:
-        """Pages the ledger holds backed (used, reserve, pending), ascending."""
-        st = self._page_state
-        return [p for p in range(self._npages) if st[p] in (_USED, _RESERVE, _PENDING)]
-
     def available_size(self) -> int:
         """Blocks an ``alloc`` could get now: free blocks on backed pages plus pages in flight, plus as many
         unbacked pages as the physical headroom (limit, shared record, driver free memory) can back.
@@ -218,7 +174,7 @@ class KVCacheManager:
         O(1), no driver or shared-memory access. A hint, like vLLM's ``get_num_free_blocks``: another pool
         may take the GPU-wide budget first, so ``alloc`` may still answer ``None``.
         """
-        room = self._room_bytes()
+        room = self._phys.room()
         page_bytes = self._geo.page_bytes
         pages = room // page_bytes if page_bytes else 0
         return (
@@ -265,7 +221,6 @@ class KVCacheManager:
             for b in out:
                 live[b] = 1
             self._free_backed -= n
-            self._used += n
             return out
         grown = 0
         if n > self._free_backed:
@@ -288,7 +243,7 @@ class KVCacheManager:
         short = n - self._free_backed
         if short <= 0:
             return waited
-        if short > self._unmapped_blocks or self._over_limit():
+        if short > self._unmapped_blocks or self._phys.over_limit():
             return -1  # too few blocks, or shrinking: no new pages until live blocks drain
         pages: list[int] = []
         capacity = 0
@@ -308,49 +263,10 @@ class KVCacheManager:
         return waited + len(pages)
 
     def _take(self, n: int, grown: int) -> list[int]:
-        """Serve ``n <= _free_backed`` blocks: partly used pages by best fit, then empty backed pages
-        (pending release first: reusing one saves an unmap and a map; then the reserve). ``grown`` of the
-        empty pages taken were backed on the allocating thread (misses); the others are reserve hits."""
-        out: list[int] = []
-        buckets, page_free = self._buckets, self._page_free
-        left = n
-        while left and self._mask:
-            mask = self._mask
-            fit = mask >> left
-            # smallest bucket >= left (the page that holds the whole run), else the fullest free count
-            k = left + ((fit & -fit).bit_length() - 1) if fit else mask.bit_length() - 1
-            bucket = buckets[k]
-            page, _ = bucket.popitem()
-            if not bucket:
-                self._mask = mask & ~(1 << k)
-            take = k if k <= left else left
-            free = page_free[page]
-            out += free[-take:]
-            del free[-take:]
-            left -= take
-            self._page_bucket[page] = 0
-            if take < k:
-                self._rebucket(page)
-        acquired = 0
-        while left:
-            if self._pending_epoch:
-                page, _ = self._pending_epoch.popitem()  # its queue entry goes stale
-            else:
-                page = self._reserve.pop()
-            self._page_state[page] = _USED
-            acquired += 1
-            free = page_free[page]
-            take = min(left, len(free))
-            out += free[-take:]
-            del free[-take:]
-            left -= take
-            if free:
-                self._rebucket(page)
-        live = self._live
-        for b in out:
-            live[b] = 1
-        self._free_backed -= n
-        self._used += n
+        """Serve ``n <= _free_backed`` blocks from backed pages; ``grown`` of the empty pages taken were
+        backed on the allocating thread (reserve misses), the others are hits. Taking empty pages refills
+        the reserve in the background."""
+        out, acquired = self._take_blocks(n)
         if acquired:
             self._policy.note_acquired(acquired)
             self._misses += grown
@@ -378,36 +294,7 @@ class KVCacheManager:
                 raise ValueError(self._bad_id_message(blocks))
         if len(blocks) > 1 and len(set(blocks)) != len(blocks):
             raise ValueError(self._bad_id_message(blocks))
-        self._release_blocks(blocks)
-
-    def _release_blocks(self, blocks: list[int]) -> None:
-        """Mark valid, distinct live ``blocks`` free and re-file their pages."""
-        live, bpp, page_free = self._live, self._bpp, self._page_free
-        for b in blocks:
-            live[b] = 0
-            page_free[b // bpp].append(b)
-        n = len(blocks)
-        self._free_backed += n
-        self._used -= n
-        pages = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
-        buckets, page_bucket, mask = self._buckets, self._page_bucket, self._mask
-        last, emptied = self._npages - 1, []
-        for p in pages:
-            k = page_bucket[p]
-            if k:
-                bucket = buckets[k]
-                del bucket[p]
-                if not bucket:
-                    mask ^= 1 << k
-            free = len(page_free[p])
-            if free == (bpp if p != last else self._last_cap):
-                page_bucket[p] = 0
-                emptied.append(p)
-            else:
-                page_bucket[p] = free
-                buckets[free][p] = None
-                mask |= 1 << free
-        self._mask = mask
+        emptied = self._return_blocks(blocks)
         if emptied:
             self._retire(emptied)
 
@@ -431,7 +318,7 @@ class KVCacheManager:
         """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap."""
         if self._cfg.defer_release:
             for p in pages:
-                self._page_state[p] = _PENDING
+                self._page_state[p] = PENDING
                 self._pending_epoch[p] = self._epoch
                 self._pending.append((self._epoch, p))
             return
@@ -443,8 +330,8 @@ class KVCacheManager:
         unmap: list[int] = []
         cap = self._cfg.reserve_max_pages
         for p in pages:
-            if len(self._reserve) < cap and not self._over_limit():
-                self._page_state[p] = _RESERVE
+            if len(self._reserve) < cap and not self._phys.over_limit():
+                self._page_state[p] = RESERVE
                 self._reserve.append(p)
             else:
                 unmap.append(p)
@@ -490,14 +377,14 @@ class KVCacheManager:
             self._refuse()
         if self._inflight:
             self._collect()
-        if self._record is not None:
-            events = self._record.poll()
+        events = self._phys.poll()
+        if events is not None:
             if events.limit_changed:
-                self._apply_limit(self._record.limit_bytes)
+                self._apply_limit(self._phys.record_limit())
             if events.trim_requested:
                 self._trim_reserve(0)
-        self._refresh_room()
-        target = 0 if self._over_limit() else self._policy.end_interval()
+        self._phys.refresh()
+        target = 0 if self._phys.over_limit() else self._policy.end_interval()
         if len(self._reserve) > target:
             self._trim_reserve(target)
         elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
@@ -505,19 +392,19 @@ class KVCacheManager:
                 self._refill_async()
             else:
                 self._refill_sync(target - len(self._reserve))
-        self._publish()
+        self._phys.publish(self._snapshot)
 
     def _refill_async(self) -> None:
         """Queue background maps to bring reserve + in-flight pages up to the policy's target, within the
         physical headroom (charged now, so that two pools cannot both count on the same bytes)."""
         want = self._policy.target - len(self._reserve) - self._inflight_pages
         pages: list[int] = []
-        while want > 0 and self._unmapped and not self._over_limit():
+        while want > 0 and self._unmapped and not self._phys.over_limit():
             page = self._unmapped[-1]
-            if not self._charge(self._geo.exclusive_bytes([page], self._is_backed)):
+            if not self._phys.charge(self._geo.exclusive_bytes([page], self._is_backed)):
                 break
             self._pop_unmapped()
-            self._page_state[page] = _INFLIGHT
+            self._page_state[page] = INFLIGHT
             self._inflight_pages += 1
             pages.append(page)
             want -= 1
@@ -563,19 +450,19 @@ class KVCacheManager:
                 self._fail(f"background map of pages {mine} failed to roll back: {error}")
             else:  # PoolExhausted, a driver error rolled back, or cancelled: nothing was mapped
                 logger.debug("background map of pages %s failed: %s", mine, error)
-                self._room_read_at = float("-inf")
+                self._phys.stale()
                 self._undo_inflight(mine)
-        if self._over_limit():
+        if self._phys.over_limit():
             self._trim_reserve(0)  # the limit was lowered while these were in flight
 
     def _undo_inflight(self, pages: list[int]) -> None:
         """In-flight pages that will not be mapped: back to unmapped, their charge returned."""
         nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
         for p in pages:
-            self._page_state[p] = _UNMAPPED
+            self._page_state[p] = UNMAPPED
             self._inflight_pages -= 1
         self._push_unmapped(pages)
-        self._uncharge(nbytes)
+        self._phys.uncharge(nbytes)
 
     def _await_inflight(self) -> None:
         """Wait for every queued background map (they are needed now: a sync map would queue behind
@@ -605,12 +492,11 @@ class KVCacheManager:
         self._apply_limit(limit_bytes)
 
     def _apply_limit(self, limit_bytes: int) -> None:
-        self._limit = limit_bytes
-        if self._over_limit():
+        self._phys.limit = limit_bytes
+        if self._phys.over_limit():
             self._trim_reserve(0)
-            logger.info(
-                "pool %s shrinking: %d bytes backed, limit %d", self._name, self._charged, self._limit
-            )
+            phys = self._phys
+            logger.info("pool %s shrinking: %d bytes backed, limit %d", self._name, phys.charged, phys.limit)
 
     def trim(self) -> int:
         """Unmap every reserve page now; returns how many were unmapped. Pages pending release stay until
@@ -633,9 +519,10 @@ class KVCacheManager:
         ``defer_release`` the emptied pages still wait for ``release_through``."""
         if get_ident() != self._owner:
             self._refuse()
-        live = [b for b in range(self._nb) if self._live[b] and b != self._null]
-        if live:
-            self._release_blocks(live)
+        live = [b for b in range(self._nb) if self._live[b] == 1]  # (the null block is 2)
+        emptied = self._return_blocks(live) if live else []
+        if emptied:
+            self._retire(emptied)
         self._trim_reserve(0)
 
     def close(self) -> None:
@@ -665,7 +552,7 @@ class KVCacheManager:
             state = PoolState.CLOSED
         elif self._broken is not None:
             state = PoolState.INCONSISTENT
-        elif self._over_limit():
+        elif self._phys.over_limit():
             state = PoolState.SHRINKING
         else:
             state = PoolState.ACTIVE
@@ -678,141 +565,46 @@ class KVCacheManager:
             page_bytes=self._geo.page_bytes,
             blocks_per_page=self._bpp,
             total_blocks=self._nb,
-            used_blocks=self._used - has_null,
-            free_blocks=self._nb - self._used,
+            used_blocks=self._live_count() - has_null,
+            free_blocks=self._nb - self._live_count(),
             available_blocks=self.available_size(),
             total_pages=self._npages,
             mapped_pages=self._npages - len(self._unmapped) - self._inflight_pages,
             reserve_pages=len(self._reserve),
             pending_pages=len(self._pending_epoch),
             inflight_pages=self._inflight_pages,
-            mapped_bytes=self._charged,
-            limit_bytes=self._limit,
+            mapped_bytes=self._phys.charged,
+            limit_bytes=self._phys.limit,
             reserve_hits=self._hits,
             reserve_misses=self._misses,
             epoch=self._epoch,
             timestamp=time.time(),
         )
 
-    def _publish(self) -> None:
-        if self._record is None:
-            return
-        now = self._clock()
-        if now - self._published_at >= self._cfg.publish_interval_s:
-            self._published_at = now
-            self._record.publish(self._snapshot())
-
-    # -- page transitions -------------------------------------------------------------------------------
-
-    def _cap(self, page: int) -> int:
-        return self._last_cap if page == self._npages - 1 else self._bpp
-
-    def _is_backed(self, page: int) -> bool:
-        return self._page_state[page] != _UNMAPPED
-
-    def _pop_unmapped(self) -> int:
-        page = self._unmapped.pop()
-        self._unmapped_blocks -= self._cap(page)
-        return page
-
-    def _unpop_unmapped(self, pages: list[int]) -> None:
-        """Undo ``_pop_unmapped`` calls that returned ``pages`` (in that order): the stack is as before."""
-        self._unmapped.extend(reversed(pages))
-        self._unmapped_blocks += sum(self._cap(p) for p in pages)
-
-    def _push_unmapped(self, pages: list[int]) -> None:
-        """Pages back to the unmapped stack, lowest id on top (so it is mapped again first)."""
-        self._unmapped.extend(sorted(pages, reverse=True))
-        self._unmapped_blocks += sum(self._cap(p) for p in pages)
-
-    def _page_to_reserve(self, page: int) -> None:
-        """A page just backed: every block of it is free."""
-        blocks = self._geo.blocks_of(page)
-        self._page_free[page] = list(reversed(blocks))
-        self._free_backed += len(blocks)
-        self._page_state[page] = _RESERVE
-        self._reserve.append(page)
-
-    def _rebucket(self, page: int) -> None:
-        """File a partly used page under its free count."""
-        k = len(self._page_free[page])
-        self._page_bucket[page] = k
-        self._buckets[k][page] = None
-        self._mask |= 1 << k
-
-    def _unbucket(self, page: int) -> None:
-        k = self._page_bucket[page]
-        if k:
-            bucket = self._buckets[k]
-            del bucket[page]
-            if not bucket:
-                self._mask &= ~(1 << k)
-            self._page_bucket[page] = 0
-
     # -- physical side ----------------------------------------------------------------------------------
-
-    def _over_limit(self) -> bool:
-        return bool(self._limit) and self._charged > self._limit
-
-    def _room_bytes(self) -> int:
-        """Bytes the pool may still charge: its own limit, and the outside headroom read in maintain()
-        less what the pool charged since."""
-        outside = self._outside_room - (self._charged - self._charged_at_read)
-        if self._limit:
-            outside = min(outside, self._limit - self._charged)
-        return max(0, outside)
-
-    def _refresh_room(self, force: bool = False) -> None:
-        now = self._clock()
-        if not force and now - self._room_read_at < self._cfg.free_memory_ttl_s:
-            return
-        room = 1 << 62
-        if self._record is not None:
-            room = min(room, self._record.headroom_bytes)
-        if self._physical_free is not None:
-            room = min(room, max(0, self._physical_free() - self._cfg.min_free_bytes))
-        self._outside_room = room
-        self._charged_at_read = self._charged
-        self._room_read_at = now
-
-    def _charge(self, nbytes: int) -> bool:
-        if nbytes > self._room_bytes():
-            return False
-        if self._record is not None and not self._record.try_charge(nbytes):
-            self._room_read_at = float("-inf")
-            return False
-        self._charged += nbytes
-        return True
-
-    def _uncharge(self, nbytes: int) -> None:
-        if nbytes:
-            self._charged -= nbytes
-            if self._record is not None:
-                self._record.uncharge(nbytes)
 
     def _map_now(self, pages: list[int]) -> None:
         """Charge and back ``pages`` synchronously. Raises (with the charge returned and the data plane
         unchanged) ``PoolExhausted`` when the limit, the budget or the driver refuses, or the data plane's
         error for another driver failure; marks the pool inconsistent if the data plane is."""
         nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
-        if not self._charge(nbytes):
+        if not self._phys.charge(nbytes):
             raise PoolExhausted(f"pool {self._name}: no room for {nbytes} more bytes (limit or budget)")
         start = time.perf_counter()
         try:
             self._mapper.map(pages)
         except PoolExhausted:
-            self._uncharge(nbytes)
-            self._room_read_at = float("-inf")  # re-read the driver's free memory at the next maintain()
+            self._phys.uncharge(nbytes)
+            self._phys.stale()  # re-read the driver's free memory at the next maintain()
             raise
         except StateConsistencyError as exc:
             self._fail(f"map of pages {pages} failed to roll back: {exc}")
         except ValueError as exc:
             self._fail(f"data plane refused to map pages {pages} the ledger holds unmapped: {exc}")
         except BaseException:
-            self._uncharge(nbytes)
+            self._phys.uncharge(nbytes)
             raise
-        if self._record is not None:
-            self._record.observe("map", time.perf_counter() - start)
+        self._phys.observe("map", time.perf_counter() - start)
 
     def _unmap_now(self, pages: list[int], *, closing: bool = False) -> None:
         """Unmap backed, empty pages and return their charge (at close: every page, live or not).
@@ -832,18 +624,12 @@ class KVCacheManager:
                 "pool %s: unmap of pages %s failed, keeping them backed: %s", self._name, pages, exc
             )
             for p in pages:
-                self._page_state[p] = _RESERVE
+                self._page_state[p] = RESERVE
             self._reserve.extend(pages)
             return
-        if self._record is not None:
-            self._record.observe("unmap", time.perf_counter() - start)
-        for p in pages:
-            self._unbucket(p)
-            self._free_backed -= len(self._page_free[p])
-            self._page_free[p] = []
-            self._page_state[p] = _UNMAPPED
-        self._push_unmapped(pages)
-        self._uncharge(nbytes)
+        self._phys.observe("unmap", time.perf_counter() - start)
+        self._unback(pages)
+        self._phys.uncharge(nbytes)
 
     def _fail(self, message: str) -> None:
         self._broken = message
