@@ -87,6 +87,7 @@ def fingerprint(pool: Pool) -> tuple[Any, ...]:
 def check_invariants(pool: Pool, issued: set[int] | None = None) -> None:
     """The ledger and the data plane agree; every live block's page is backed; counters add up."""
     led, group = pool.ledger, pool.group
+    led.check_invariants()
     geo = led.geometry
     live = {b for b in range(geo.num_blocks) if led.is_live(b)}
     if issued is not None:

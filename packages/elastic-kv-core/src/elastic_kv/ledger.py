@@ -222,6 +222,10 @@ class KVCacheManager(PageBook):
                 live[b] = 1
             self._free_backed -= n
             return out
+        return self._alloc_pages(n)
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        """``alloc`` when no single partly used page holds the run: grow if needed, then take."""
         grown = 0
         if n > self._free_backed:
             grown = self._grow(n)

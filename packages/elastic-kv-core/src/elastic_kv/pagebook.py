@@ -85,8 +85,7 @@ class PageBook:
         left = n
         while left and self._mask:
             mask = self._mask
-            fit = mask >> left
-            k = left + ((fit & -fit).bit_length() - 1) if fit else mask.bit_length() - 1
+            k = self._pick_bucket(mask, left)
             bucket = buckets[k]
             page, _ = bucket.popitem()
             if not bucket:
@@ -119,6 +118,13 @@ class PageBook:
             live[b] = 1
         self._free_backed -= n
         return out, acquired
+
+    @staticmethod
+    def _pick_bucket(mask: int, left: int) -> int:
+        """The free count of the partly used page to take from next: the smallest that holds all ``left``
+        blocks (best fit), else the largest (the emptiest page: fewest pages touched). ``mask`` != 0."""
+        fit = mask >> left
+        return left + ((fit & -fit).bit_length() - 1) if fit else mask.bit_length() - 1
 
     def _return_blocks(self, blocks: list[int]) -> list[int]:
         """Mark valid, distinct live ``blocks`` free and re-file their pages; returns the pages that became
@@ -209,3 +215,48 @@ class PageBook:
             self._page_free[p] = []
             self._page_state[p] = UNMAPPED
         self._push_unmapped(pages)
+
+    def check_invariants(self) -> None:
+        """Verify every invariant of the module docstring; ``AssertionError`` names the first one broken.
+
+        O(blocks + pages): for tests, soaks and debugging, never on an engine's path."""
+        state, free_lists, live = self._page_state, self._page_free, self._live
+        inflight = {p for pages in self._inflight.values() for p in pages}
+        assert len(inflight) == self._inflight_pages, "in-flight page count"
+        on_lists: set[int] = set()
+        unmapped_blocks = 0
+        for p in range(self._npages):
+            blocks = self._geo.blocks_of(p)
+            st = state[p]
+            if st in (UNMAPPED, INFLIGHT):
+                assert not free_lists[p], f"page {p} ({_STATE_NAMES[st]}) has a free list"
+                assert not any(live[b] for b in blocks), f"live block on {_STATE_NAMES[st]} page {p}"
+                assert (p in inflight) == (st == INFLIGHT), f"page {p} in-flight state"
+                unmapped_blocks += len(blocks) if st == UNMAPPED else 0
+                continue
+            free = free_lists[p]
+            assert len(set(free)) == len(free) and all(b in blocks and not live[b] for b in free), (
+                f"page {p}: free list holds a live, foreign or repeated block"
+            )
+            assert len(free) + sum(1 for b in blocks if live[b]) == len(blocks), f"page {p}: blocks lost"
+            on_lists.update(free)
+            empty = len(free) == len(blocks)
+            if st == USED:
+                assert not empty, f"page {p} in use without live blocks"
+                k = len(free)
+                assert self._page_bucket[p] == k and (k == 0 or p in self._buckets[k]), f"page {p}: bucket"
+            else:
+                assert empty, f"{_STATE_NAMES[st]} page {p} has live blocks"
+                assert self._page_bucket[p] == 0, f"{_STATE_NAMES[st]} page {p} is in a bucket"
+        assert len(on_lists) == self._free_backed, "free block count"
+        assert unmapped_blocks == self._unmapped_blocks, "unmapped block count"
+        assert sorted(self._unmapped) == [p for p in range(self._npages) if state[p] == UNMAPPED], (
+            "unmapped stack"
+        )
+        assert sorted(self._reserve) == [p for p in range(self._npages) if state[p] == RESERVE], "reserve"
+        assert sorted(self._pending_epoch) == [p for p in range(self._npages) if state[p] == PENDING], (
+            "pending"
+        )
+        for k, bucket in enumerate(self._buckets):
+            assert bool(bucket) == bool(self._mask >> k & 1), f"mask bit {k}"
+            assert all(state[p] == USED and len(free_lists[p]) == k for p in bucket), f"bucket {k}"
