@@ -6,7 +6,7 @@ Not a CI test (it takes minutes). One pool over ``FaultInjectingBackend(HostBack
 pre-mapping and deferred release on, driven by a weighted random mix: allocations of 1 block (decode) up to
 a few hundred (prefill), whole and partial frees, epochs advanced and released with a lag, maintenance,
 limit changes (the pool shrinking below its live blocks and growing back), trims, clears, injected driver
-out-of-memory and rejected frees. The background mapping thread runs concurrently (nothing waits for it),
+out-of-memory (handle creation) and rejected frees. The background mapping thread runs concurrently (nothing waits for it),
 so allocations race it as in an engine.
 
 Checked after every operation: each alloc returns exactly n ids, none live already; a refused free
@@ -19,7 +19,6 @@ plane's mapped bytes. Exits 1 on the first violation.
 from __future__ import annotations
 
 import argparse
-import logging
 import random
 import sys
 import time
@@ -31,7 +30,6 @@ from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ledger import KVCacheManager
 from elastic_kv.mapper import LocalMapper
 
-logging.getLogger("elastic_kv.ledger").setLevel(logging.ERROR)  # injected unmap failures warn on every one
 
 KIB = 1024
 
@@ -132,7 +130,10 @@ def soak(ops: int, seed: int, kind: str, check_every: int) -> int:
             live.clear()
             allocations.clear()
         elif op == "oom":
-            backend.fail(rng.choice(["create", "map"]), nth=rng.randrange(1, 4), error="oom")
+            # Only handle creation fails: a rollback never creates, so the data plane can always roll back.
+            # (A second failure inside a rollback makes the group inconsistent by design; the unit tests
+            # cover that path, a soak that stops there would test nothing more.)
+            backend.fail("create", nth=rng.randrange(1, 4), error="oom")
         elif op == "bad_free":
             bad = rng.choice(
                 [
@@ -167,7 +168,7 @@ def soak(ops: int, seed: int, kind: str, check_every: int) -> int:
     )
     print(
         f"data plane: {backend.calls('map')} maps, {backend.calls('unmap')} unmaps, "
-        f"{backend.injected('create') + backend.injected('map')} injected failures, "
+        f"{backend.injected('create')} injected failures, "
         f"{mapper.group.quarantined_handles} quarantined handles, consistent={mapper.group.consistent}"
     )
     led.close()

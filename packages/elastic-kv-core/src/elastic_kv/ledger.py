@@ -225,30 +225,36 @@ class KVCacheManager(PageBook):
         return self._alloc_pages(n)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
-        """``alloc`` when no single partly used page holds the run: grow if needed, then take."""
-        grown = 0
-        if n > self._free_backed:
-            grown = self._grow(n)
-            if grown < 0:
-                return None
-        return self._take(n, grown)
-
-    def _grow(self, n: int) -> int:
-        """Make ``_free_backed >= n``: collect finished background maps, wait for running ones if they are
-        needed, map the rest synchronously. Returns how many pages were backed on this thread's time
-        (reserve misses), or -1 -- with nothing changed but collected pages -- when the pool cannot grow
-        that much."""
-        waited = 0
-        if self._inflight:
+        """``alloc`` when no single partly used page holds the run: take in finished background maps,
+        grow if the backed pages are still short, then take. Empty pages that were backed before the call
+        (reserve, pending, background maps already done) count as reserve hits; pages this call had to
+        wait for or map count as misses."""
+        if n > self._free_backed and self._inflight:
             self._collect()
-            if n > self._free_backed and self._inflight_pages:
-                waited = self._inflight_pages
-                self._await_inflight()
+        ready = len(self._reserve) + len(self._pending_epoch)
+        if n > self._free_backed and not self._grow(n):
+            return None
+        out, acquired = self._take_blocks(n)
+        if acquired:
+            missed = max(0, acquired - ready)
+            self._misses += missed
+            self._hits += acquired - missed
+            self._policy.note_acquired(acquired)
+            if self._async and self._cfg.premap:
+                self._refill_async()
+        return out
+
+    def _grow(self, n: int) -> bool:
+        """Make ``_free_backed >= n``: wait for background maps still running (they are needed now, and a
+        synchronous map would queue behind them in the driver anyway), then map what is still missing.
+        False -- with nothing changed but pages that landed -- when the pool cannot grow that much."""
+        if self._inflight:
+            self._collect(wait=True)
         short = n - self._free_backed
         if short <= 0:
-            return waited
+            return True
         if short > self._unmapped_blocks or self._phys.over_limit():
-            return -1  # too few blocks, or shrinking: no new pages until live blocks drain
+            return False  # too few blocks, or shrinking: no new pages until live blocks drain
         pages: list[int] = []
         capacity = 0
         while capacity < short:
@@ -258,26 +264,13 @@ class KVCacheManager(PageBook):
             self._map_now(pages)
         except PoolExhausted:
             self._unpop_unmapped(pages)
-            return -1
+            return False
         except BaseException:
             self._unpop_unmapped(pages)  # a driver error after the data plane's rollback: nothing changed
             raise
         for page in pages:
             self._page_to_reserve(page)
-        return waited + len(pages)
-
-    def _take(self, n: int, grown: int) -> list[int]:
-        """Serve ``n <= _free_backed`` blocks from backed pages; ``grown`` of the empty pages taken were
-        backed on the allocating thread (reserve misses), the others are hits. Taking empty pages refills
-        the reserve in the background."""
-        out, acquired = self._take_blocks(n)
-        if acquired:
-            self._policy.note_acquired(acquired)
-            self._misses += grown
-            self._hits += acquired - grown
-            if self._async and self._cfg.premap:
-                self._refill_async()
-        return out
+        return True
 
     def free(self, ids: Iterable[int]) -> None:
         """Return live blocks. Pages that empty go to the reserve (up to its cap), wait for
@@ -326,9 +319,9 @@ class KVCacheManager(PageBook):
                 self._pending_epoch[p] = self._epoch
                 self._pending.append((self._epoch, p))
             return
-        self._settle(pages)
+        self._release_empty(pages)
 
-    def _settle(self, pages: list[int]) -> None:
+    def _release_empty(self, pages: list[int]) -> None:
         """Empty backed pages that may be unmapped now: to the reserve while it is under its cap and the
         pool is within its limit, the rest unmapped in one data-plane transaction."""
         unmap: list[int] = []
@@ -365,7 +358,7 @@ class KVCacheManager(PageBook):
                 del self._pending_epoch[p]
                 ready.append(p)
         if ready:
-            self._settle(ready)
+            self._release_empty(ready)
         return len(ready)
 
     # -- background pre-mapping -------------------------------------------------------------------------
@@ -468,11 +461,6 @@ class KVCacheManager(PageBook):
         self._push_unmapped(pages)
         self._phys.uncharge(nbytes)
 
-    def _await_inflight(self) -> None:
-        """Wait for every queued background map (they are needed now: a sync map would queue behind
-        them in the driver anyway)."""
-        self._collect(wait=True)
-
     def settle(self) -> None:
         """Wait for every background map queued so far and take it in (its pages join the reserve).
 
@@ -538,7 +526,7 @@ class KVCacheManager(PageBook):
             return
         if self._broken is None:
             if self._inflight:
-                self._await_inflight()
+                self._collect(wait=True)
             backed = self.mapped_pages()
             if backed:
                 self._unmap_now(backed, closing=True)
