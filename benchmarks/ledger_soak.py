@@ -6,8 +6,8 @@ Not a CI test (it takes minutes). One pool over ``FaultInjectingBackend(HostBack
 pre-mapping and deferred release on, driven by a weighted random mix: allocations of 1 block (decode) up to
 a few hundred (prefill), whole and partial frees, epochs advanced and released with a lag, maintenance,
 limit changes (the pool shrinking below its live blocks and growing back), trims, clears, injected driver
-out-of-memory (handle creation) and rejected frees. The background mapping thread runs concurrently (nothing waits for it),
-so allocations race it as in an engine.
+out-of-memory (handle creation) and rejected frees. The background mapping thread runs concurrently
+(nothing waits for it), so allocations race it as in an engine.
 
 Checked after every operation: each alloc returns exactly n ids, none live already; a refused free
 changes nothing the model can see. Checked every ``--check-every`` operations and at the end: the ledger's
@@ -29,7 +29,6 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ledger import KVCacheManager
 from elastic_kv.mapper import LocalMapper
-
 
 KIB = 1024
 
