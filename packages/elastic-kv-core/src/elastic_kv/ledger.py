@@ -376,11 +376,11 @@ class KVCacheManager(PageBook):
             self._collect()
         events = self._phys.poll()
         if events is not None:
-            if events.limit_changed:
+            if events.limit_changed:  # the pool limit or the GPU-wide budget
                 self._apply_limit(self._phys.record_limit())
             if events.trim_requested:
                 self._trim_reserve(0)
-        self._phys.refresh()
+        self._phys.refresh(force=events is not None and events.limit_changed)
         target = 0 if self._phys.over_limit() else self._policy.end_interval()
         if len(self._reserve) > target:
             self._trim_reserve(target)
