@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from elastic_kv.config import ElasticConfig
@@ -26,7 +27,7 @@ CFG = ElasticConfig(
 
 
 @pytest.fixture
-def pools(tmp_path: Path) -> Iterator[tuple[Pool, Pool, object]]:
+def pools(tmp_path: Path) -> Iterator[tuple[Pool, Pool, Any]]:
     view = registry_view.Registry(tmp_path)
     view.set_budget("gpu0", 6 * PAGE)
     records = [
@@ -43,14 +44,15 @@ def pools(tmp_path: Path) -> Iterator[tuple[Pool, Pool, object]]:
         record.close()
 
 
-def test_two_pools_share_the_gpu_budget(pools: tuple[Pool, Pool, object]) -> None:
+def test_two_pools_share_the_gpu_budget(pools: tuple[Pool, Pool, Any]) -> None:
     a, b, view = pools
     assert a.ledger.alloc(3 + 3 * 4) is not None  # a: 4 pages
     assert b.ledger.alloc(3 + 1 * 4) is not None  # b: 2 pages -> the budget (6 pages) is spent
     assert b.ledger.alloc(4) is None  # pressure, not a failure
     for pool in (a, b):
         check_invariants(pool)
-        assert pool.ledger._phys.record.charged_bytes == pool.group.mapped_bytes
+        record = pool.ledger._phys.record
+        assert record is not None and record.charged_bytes == pool.group.mapped_bytes
     # kvctl lowers a's limit: a shrinks as its blocks drain, and b can grow into the freed budget
     view.set_limit("a", 2 * PAGE)
     a.ledger.maintain()
@@ -65,7 +67,7 @@ def test_two_pools_share_the_gpu_budget(pools: tuple[Pool, Pool, object]) -> Non
     assert info.snapshot is not None and info.snapshot.mapped_pages == 2 and info.charged_bytes == 2 * PAGE
 
 
-def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, object]) -> None:
+def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, Any]) -> None:
     a, _, view = pools
     blocks = a.ledger.alloc(3 + 2 * 4)
     assert blocks is not None
