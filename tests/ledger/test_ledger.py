@@ -386,17 +386,20 @@ def test_background_premap_serves_allocations_without_driver_calls() -> None:
         pool.close()
 
 
-def test_alloc_takes_pages_still_in_flight() -> None:
+def test_alloc_waits_for_pages_still_in_flight() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=3, reserve_max_pages=8)
-    pool = make_pool(config=cfg)
+    pool = make_pool(config=cfg, fault=True)
     try:
         led = pool.ledger
-        led.maintain()  # queues pages 1-3 on the background thread
-        got = led.alloc(3 + 3 * 4)  # page 0's free blocks and the three queued pages, landed or not
+        pool.backend.delay("map", 0.01)  # a slow driver: the background maps are still running ...
+        led.maintain()  # ... queued here (pages 1-3)
+        got = led.alloc(3 + 3 * 4)  # page 0's free blocks and the three queued pages: alloc waits for them
         assert got is not None
         assert {led.geometry.page_of(b) for b in got} == {0, 1, 2, 3}
         snap = led.snapshot()
-        assert snap.reserve_hits + snap.reserve_misses == 3
+        assert (snap.reserve_hits, snap.reserve_misses) == (0, 3)  # waited for: misses
+        assert pool.group.mapped_pages()[:4] == [0, 1, 2, 3]
+        pool.backend.clear()
         settle(pool)
         check_invariants(pool, set(got))
     finally:
