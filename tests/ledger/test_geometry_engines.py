@@ -17,26 +17,32 @@ KIB = 1024
 
 
 def check_against_engine(
-    geo: BlockGeometry, storages: Sequence[torch.Tensor], paint_block: Callable[[int], None]
+    geo: BlockGeometry, storages: Sequence[torch.Tensor], paint_block: Callable[[int, int], None]
 ) -> None:
-    """Paint each block through the engine's views (``storages`` are the flat uint8 bytes of each space)."""
+    """Paint every block ``b`` with the byte ``b + 1`` through the engine's own views (``storages`` are the
+    flat uint8 bytes of each space), then compare with the geometry: the same bytes, all inside the page."""
+    assert geo.num_blocks < 256, "one byte value per block"
+    for raw in storages:
+        raw.zero_()
     for block in range(geo.num_blocks):
-        for raw in storages:
-            raw.zero_()
-        paint_block(block)
-        ours = [torch.zeros_like(raw, dtype=torch.bool) for raw in storages]
+        paint_block(block, block + 1)
+    ours = [torch.zeros_like(raw) for raw in storages]
+    for block in range(geo.num_blocks):
         for space, lo, hi in geo.block_ranges(block):
-            ours[space][lo:hi] = True
-        page = [torch.zeros(geo.space_sizes[i], dtype=torch.bool) for i in range(len(storages))]
-        for space, lo, hi in geo.page_ranges(geo.page_of(block)):
-            page[space][lo:hi] = True
+            ours[space][lo:hi] = block + 1
+    for space, raw in enumerate(storages):
+        assert torch.equal(raw, ours[space]), f"space {space}: the geometry's blocks are not the engine's"
+    for page in range(geo.num_pages):
+        blocks = geo.blocks_of(page)
         for space, raw in enumerate(storages):
-            engine = raw != 0
-            assert bool(engine.any()) or not bool(ours[space].any())
-            assert torch.equal(engine, ours[space]), (
-                f"block {block}, space {space}: geometry and engine disagree"
+            inside = torch.zeros(geo.space_sizes[space], dtype=torch.bool)
+            for s, lo, hi in geo.page_ranges(page):
+                if s == space:
+                    inside[lo:hi] = True
+            mine = (raw >= blocks.start + 1) & (raw <= blocks.stop)
+            assert bool(inside[: raw.numel()][mine].all()), (
+                f"a block of page {page} leaves it in space {space}"
             )
-            assert bool(page[space][: raw.numel()][engine].all()), f"block {block} leaves its page"
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -130,9 +136,9 @@ def test_vllm_layouts(vllm_api: dict, spec_name: str, layout_name: str, page_siz
     assert geo.num_blocks == cfg.num_blocks
     raw = flat_bytes(next(iter(caches.values())))
 
-    def paint(block: int) -> None:
+    def paint(block: int, value: int) -> None:
         for view in caches.values():
-            view[block].view(torch.uint8).fill_(1)
+            view[block].view(torch.uint8).fill_(value)
 
     check_against_engine(geo, [raw], paint)
 
@@ -190,11 +196,11 @@ def test_sglang_mha_layouts(sglang_pools, layout: str, sgl_page: int) -> None:
     geo = sglang_geometry(buffers, rows_per_block, num_blocks, 4 * KIB)
     storages = [flat_bytes(buffers[i][0]) for i in range(3)]
 
-    def paint(block: int) -> None:
+    def paint(block: int, value: int) -> None:
         rows = slice(block * rows_per_block, (block + 1) * rows_per_block)
         for k, v in buffers:
-            k[rows].view(torch.uint8).fill_(1)
-            v[rows].view(torch.uint8).fill_(1)
+            k[rows].view(torch.uint8).fill_(value)
+            v[rows].view(torch.uint8).fill_(value)
 
     check_against_engine(geo, storages, paint)
 
@@ -217,8 +223,8 @@ def test_sglang_mla_layout(sglang_pools) -> None:
     geo = sglang_geometry(buffers, 4, num_blocks, 4 * KIB)
     storages = [flat_bytes(b[0]) for b in buffers]
 
-    def paint(block: int) -> None:
+    def paint(block: int, value: int) -> None:
         for (buf,) in buffers:
-            buf[block * 4 : (block + 1) * 4].view(torch.uint8).fill_(1)
+            buf[block * 4 : (block + 1) * 4].view(torch.uint8).fill_(value)
 
     check_against_engine(geo, storages, paint)
