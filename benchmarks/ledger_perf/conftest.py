@@ -13,16 +13,17 @@ def record_per_block(request: pytest.FixtureRequest):
     results = request.config.stash.setdefault(_RESULTS, {})
 
     def record(name: str, n: int, benchmark) -> None:
+        """``n`` blocks per round; negative for the decode case (|n| calls of one block, one free)."""
         stats = benchmark.stats.stats
-        results[(name, n)] = stats.median / n
-        benchmark.extra_info["per_block_ns"] = round(stats.median / n * 1e9, 1)
+        results[(name, n)] = stats.median / abs(n)
+        benchmark.extra_info["per_block_ns"] = round(stats.median / abs(n) * 1e9, 1)
 
     return record
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     results = config.stash.get(_RESULTS, {})
-    sizes = sorted({n for _, n in results})
+    sizes = sorted({n for _, n in results}, key=abs)
     if not sizes:
         return
     terminalreporter.section("ledger vs vLLM BlockPool: alloc+free per block (median)")
@@ -30,7 +31,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         native, ours = results.get(("vllm", n)), results.get(("ledger", n))
         if native is None or ours is None:
             continue
+        case = f"decode step ({-n} x alloc(1), one free)" if n < 0 else f"alloc({n}) + free"
         terminalreporter.write_line(
-            f"n={n:4d}: ledger {ours * 1e9:7.1f} ns/block, vLLM BlockPool {native * 1e9:7.1f} ns/block, "
+            f"{case:36s}: ledger {ours * 1e9:7.1f} ns/block, vLLM BlockPool {native * 1e9:7.1f} ns/block, "
             f"ratio {ours / native:.2f}x"
         )

@@ -7,6 +7,8 @@ half the pool, then a third of them finished), so best-fit search, partly used p
 matter. Then each round allocates ``n`` blocks and frees them again (n=1: a decode step's new block;
 n=16, 128: prefills). The ledger runs over the real host data plane with pre-mapping on: after warm-up
 its pages cycle between use and the reserve without driver calls, as on a GPU in steady state.
+The ``decode`` case is a decode step of 64 running requests: 64 allocations of one block each, then the
+64 blocks freed together (as when those requests finish): the per-call cost amortised as in an engine.
 Goal (issue 3): <= 1.5x native per block.
 """
 
@@ -83,6 +85,36 @@ def test_vllm_block_pool(benchmark, vllm_pool, record_per_block, n: int) -> None
     benchmark.group = f"alloc+free n={n}"
     benchmark(round_trip)
     record_per_block("vllm", n, benchmark)
+
+
+DECODE = 64
+
+
+def test_vllm_block_pool_decode(benchmark, vllm_pool, record_per_block) -> None:
+    get, put = vllm_pool.get_new_blocks, vllm_pool.free_blocks
+
+    def step() -> None:
+        put([b for _ in range(DECODE) for b in get(1)])
+
+    benchmark.group = "decode step: 64 x alloc(1), one free"
+    benchmark(step)
+    record_per_block("vllm", -DECODE, benchmark)
+
+
+def test_ledger_decode(benchmark, ledger: KVCacheManager, record_per_block) -> None:
+    alloc, free = ledger.alloc, ledger.free
+
+    def step() -> None:
+        blocks: list[int] = []
+        for _ in range(DECODE):
+            got = alloc(1)
+            assert got is not None
+            blocks += got
+        free(blocks)
+
+    benchmark.group = "decode step: 64 x alloc(1), one free"
+    benchmark(step)
+    record_per_block("ledger", -DECODE, benchmark)
 
 
 @pytest.mark.parametrize("n", SIZES)

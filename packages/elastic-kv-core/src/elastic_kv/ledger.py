@@ -209,18 +209,22 @@ class KVCacheManager(PageBook):
             if not bucket:
                 mask ^= 1 << k
             free = self._page_free[page]
-            out = free[-n:]
-            del free[-n:]
             rest = k - n
             self._page_bucket[page] = rest
             if rest:
                 self._buckets[rest][page] = None
                 mask |= 1 << rest
             self._mask = mask
-            live = self._live
-            for b in out:
-                live[b] = 1
             self._free_backed -= n
+            live = self._live
+            if n == 1:  # a decode step's block: one pop, no slices
+                block = free.pop()
+                live[block] = 1
+                return [block]
+            out = free[-n:]
+            del free[-n:]
+            for block in out:
+                live[block] = 1
             return out
         return self._alloc_pages(n)
 
