@@ -47,11 +47,12 @@ from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
+from elastic_kv.backing import PageBacking
 from elastic_kv.config import ElasticConfig
-from elastic_kv.errors import PoolExhausted, StateConsistencyError
+from elastic_kv.errors import PoolExhausted
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.mapper import AsyncPageMapper, PageMapper
-from elastic_kv.pagebook import INFLIGHT, PENDING, RESERVE, UNMAPPED, USED, PageBook
+from elastic_kv.mapper import PageMapper
+from elastic_kv.pagebook import PENDING, RESERVE, USED
 from elastic_kv.physical import PhysicalAccount
 from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot, PoolState
@@ -64,7 +65,7 @@ __all__ = ["KVCacheManager"]
 logger = logging.getLogger(__name__)
 
 
-class KVCacheManager(PageBook):
+class KVCacheManager(PageBacking):
     """Block ids for one engine KV pool, backed page by page (see the module docstring).
 
     Args:
@@ -97,25 +98,14 @@ class KVCacheManager(PageBook):
         physical_free: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(geometry)
+        cfg = config or ElasticConfig()
+        super().__init__(geometry, mapper, PhysicalAccount(cfg, record, physical_free, clock), name)
         nb, bpp = self._nb, self._bpp
-        self._mapper = mapper
-        self._async = isinstance(mapper, AsyncPageMapper)
-        self._cfg = config or ElasticConfig()
-        self._name = name
-
+        self._cfg = cfg
         self._epoch = 0
         self._hits = 0
         self._misses = 0
-        self._broken: str | None = None
-        self._closed = False
-        # The owner thread's ident while the pool is usable, -1 once it is closed or inconsistent: one
-        # comparison on the hot paths checks both.
-        self._thread = get_ident()
-        self._owner = self._thread
-        cfg = self._cfg
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
-        self._phys = PhysicalAccount(cfg, record, physical_free, clock)
 
         self._null = null_block
         if null_block is not None:
@@ -234,7 +224,7 @@ class KVCacheManager(PageBook):
         (reserve, pending, background maps already done) count as reserve hits; pages this call had to
         wait for or map count as misses."""
         if n > self._free_backed and self._inflight:
-            self._collect()
+            self._take_in()
         ready = len(self._reserve) + len(self._pending_epoch)
         if n > self._free_backed and not self._grow(n):
             return None
@@ -245,7 +235,7 @@ class KVCacheManager(PageBook):
             self._hits += acquired - missed
             self._policy.note_acquired(acquired)
             if self._async and self._cfg.premap:
-                self._refill_async()
+                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
         return out
 
     def _grow(self, n: int) -> bool:
@@ -253,7 +243,7 @@ class KVCacheManager(PageBook):
         synchronous map would queue behind them in the driver anyway), then map what is still missing.
         False -- with nothing changed but pages that landed -- when the pool cannot grow that much."""
         if self._inflight:
-            self._collect(wait=True)
+            self._take_in(wait=True)
         short = n - self._free_backed
         if short <= 0:
             return True
@@ -377,7 +367,7 @@ class KVCacheManager(PageBook):
         if get_ident() != self._owner:
             self._refuse()
         if self._inflight:
-            self._collect()
+            self._take_in()
         events = self._phys.poll()
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
@@ -390,80 +380,17 @@ class KVCacheManager(PageBook):
             self._trim_reserve(target)
         elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
-                self._refill_async()
+                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
             else:
                 self._refill_sync(target - len(self._reserve))
         self._phys.publish(self._snapshot)
 
-    def _refill_async(self) -> None:
-        """Queue background maps to bring reserve + in-flight pages up to the policy's target, within the
-        physical headroom (charged now, so that two pools cannot both count on the same bytes)."""
-        want = self._policy.target - len(self._reserve) - self._inflight_pages
-        pages: list[int] = []
-        while want > 0 and self._unmapped and not self._phys.over_limit():
-            page = self._unmapped[-1]
-            if not self._phys.charge(self._geo.exclusive_bytes([page], self._is_backed)):
-                break
-            self._pop_unmapped()
-            self._page_state[page] = INFLIGHT
-            self._inflight_pages += 1
-            pages.append(page)
-            want -= 1
-        if pages:
-            assert isinstance(self._mapper, AsyncPageMapper)
-            try:
-                job = self._mapper.map_async(pages)
-            except BaseException:
-                self._undo_inflight(pages)
-                raise
-            self._inflight[job] = pages
-
-    def _refill_sync(self, want: int) -> None:
-        """Map up to ``want`` reserve pages on this thread (mappers without a background thread)."""
-        pages = [self._pop_unmapped() for _ in range(min(want, len(self._unmapped)))]
-        if not pages:
-            return
-        try:
-            self._map_now(pages)
-        except PoolExhausted:
-            self._unpop_unmapped(pages)
-            return
-        except BaseException:
-            self._unpop_unmapped(pages)
-            raise
-        for p in pages:
-            self._page_to_reserve(p)
-
-    def _collect(self, wait: bool = False) -> None:
-        """Take in the background maps that finished (all of them, with ``wait``): mapped pages join the
-        reserve, failed ones return to the unmapped pages with their charge."""
-        assert isinstance(self._mapper, AsyncPageMapper)
-        for job, pages, error in self._mapper.collect(wait):
-            mine = self._inflight.pop(job, None)
-            if mine is None or sorted(mine) != sorted(pages):
-                self._fail(f"data plane reported map job {job} ({pages}) that the ledger did not queue")
-            assert mine is not None
-            if error is None:
-                for p in mine:
-                    self._inflight_pages -= 1
-                    self._page_to_reserve(p)
-            elif error.startswith("StateConsistencyError"):
-                self._fail(f"background map of pages {mine} failed to roll back: {error}")
-            else:  # PoolExhausted, a driver error rolled back, or cancelled: nothing was mapped
-                logger.debug("background map of pages %s failed: %s", mine, error)
-                self._phys.stale()
-                self._undo_inflight(mine)
+    def _take_in(self, wait: bool = False) -> None:
+        """Collect finished background maps; if the limit was lowered while they were in flight, the
+        pages that landed go straight back."""
+        self._collect(wait)
         if self._phys.over_limit():
-            self._trim_reserve(0)  # the limit was lowered while these were in flight
-
-    def _undo_inflight(self, pages: list[int]) -> None:
-        """In-flight pages that will not be mapped: back to unmapped, their charge returned."""
-        nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
-        for p in pages:
-            self._page_state[p] = UNMAPPED
-            self._inflight_pages -= 1
-        self._push_unmapped(pages)
-        self._phys.uncharge(nbytes)
+            self._trim_reserve(0)
 
     def settle(self) -> None:
         """Wait for every background map queued so far and take it in (its pages join the reserve).
@@ -473,7 +400,7 @@ class KVCacheManager(PageBook):
         if get_ident() != self._owner:
             self._refuse()
         if self._inflight:
-            self._collect(wait=True)
+            self._take_in(wait=True)
 
     # -- limits -----------------------------------------------------------------------------------------
 
@@ -530,7 +457,7 @@ class KVCacheManager(PageBook):
             return
         if self._broken is None:
             if self._inflight:
-                self._collect(wait=True)
+                self._take_in(wait=True)
             backed = self.mapped_pages()
             if backed:
                 self._unmap_now(backed, closing=True)
@@ -576,81 +503,3 @@ class KVCacheManager(PageBook):
             epoch=self._epoch,
             timestamp=time.time(),
         )
-
-    # -- physical side ----------------------------------------------------------------------------------
-
-    def _map_now(self, pages: list[int]) -> None:
-        """Charge and back ``pages`` synchronously. Raises (with the charge returned and the data plane
-        unchanged) ``PoolExhausted`` when the limit, the budget or the driver refuses, or the data plane's
-        error for another driver failure; marks the pool inconsistent if the data plane is."""
-        nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
-        if not self._phys.charge(nbytes):
-            raise PoolExhausted(f"pool {self._name}: no room for {nbytes} more bytes (limit or budget)")
-        start = time.perf_counter()
-        try:
-            self._mapper.map(pages)
-        except PoolExhausted:
-            self._phys.uncharge(nbytes)
-            self._phys.stale()  # re-read the driver's free memory at the next maintain()
-            raise
-        except StateConsistencyError as exc:
-            self._fail(f"map of pages {pages} failed to roll back: {exc}")
-        except ValueError as exc:
-            self._fail(f"data plane refused to map pages {pages} the ledger holds unmapped: {exc}")
-        except BaseException:
-            self._phys.uncharge(nbytes)
-            raise
-        self._phys.observe("map", time.perf_counter() - start)
-
-    def _unmap_now(self, pages: list[int], *, closing: bool = False) -> None:
-        """Unmap backed, empty pages and return their charge (at close: every page, live or not).
-
-        A driver error that the data plane rolled back (the pages stay mapped) is pressure, not a fault:
-        the pages stay backed in the reserve, over its target, and the next maintain() tries again."""
-        nbytes = self._geo.exclusive_bytes(pages, self._is_backed)
-        start = time.perf_counter()
-        try:
-            self._mapper.unmap(pages)
-        except (StateConsistencyError, ValueError) as exc:
-            self._fail(f"unmap of pages {pages} failed: {exc}")
-        except Exception as exc:
-            if closing:
-                raise
-            logger.warning(
-                "pool %s: unmap of pages %s failed, keeping them backed: %s", self._name, pages, exc
-            )
-            for p in pages:
-                self._page_state[p] = RESERVE
-            self._reserve.extend(pages)
-            return
-        self._phys.observe("unmap", time.perf_counter() - start)
-        self._unback(pages)
-        self._phys.uncharge(nbytes)
-
-    def _fail(self, message: str) -> None:
-        self._broken = message
-        self._owner = -1
-        logger.error("pool %s is inconsistent: %s", self._name, message)
-        raise StateConsistencyError(f"pool {self._name}: {message}")
-
-    def _refuse(self) -> None:
-        """Raise why the calling thread may not change the pool now."""
-        self._check_thread()
-        if self._closed:
-            raise ValueError(f"pool {self._name} is closed")
-        if self._broken is not None:
-            raise StateConsistencyError(f"pool {self._name} is inconsistent: {self._broken}")
-
-    def _check_thread(self) -> None:
-        if get_ident() != self._thread:
-            raise RuntimeError(
-                f"pool {self._name} is driven by thread {self._thread}, not {get_ident()}: call "
-                f"bind_thread() on the thread that drives it (a pool is not shared between threads)"
-            )
-
-    def bind_thread(self) -> None:
-        """Make the calling thread the pool's owner (e.g. the pool was built on a start-up thread and the
-        engine schedules on another). The previous owner must not touch the pool any more."""
-        self._thread = get_ident()
-        if not self._closed and self._broken is None:
-            self._owner = self._thread
