@@ -121,6 +121,7 @@ class BudgetRecord:
     samples: list[tuple[str, float]] = field(default_factory=list)
     limit_changed: bool = False
     trim_requested: bool = False
+    fail_next: Exception | None = None  # raised by the next try_charge (a broken record)
 
     @property
     def headroom_bytes(self) -> int:
@@ -132,6 +133,9 @@ class BudgetRecord:
         return max(0, room)
 
     def try_charge(self, nbytes: int) -> bool:
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
         if nbytes > self.headroom_bytes:
             return False
         self.charged_bytes += nbytes

@@ -478,6 +478,28 @@ def test_budget_refusal_is_pressure_not_failure() -> None:
         pool.close()
 
 
+@pytest.mark.parametrize("premap", [False, True])
+def test_record_error_propagates_with_nothing_changed(premap: bool) -> None:
+    record = BudgetRecord()
+    cfg = ElasticConfig(page_size=SLOT, premap=premap, reserve_min_pages=2)
+    pool = make_pool(config=cfg, record=record)
+    try:
+        led = pool.ledger
+        before = fingerprint(pool)
+        if premap:
+            record.fail_next = StateConsistencyError("the record's device slot belongs to another pool")
+            with pytest.raises(StateConsistencyError):
+                led.maintain()  # refilling the reserve charges the record
+            assert fingerprint(pool) == before
+        record.fail_next = StateConsistencyError("the record's device slot belongs to another pool")
+        with pytest.raises(StateConsistencyError):
+            led.alloc(4)  # needs a new page
+        assert fingerprint(pool) == before
+        assert record.charged_bytes == led.charged_bytes == pool.group.mapped_bytes
+    finally:
+        pool.close()
+
+
 def test_kvctl_limit_and_trim_arrive_through_poll() -> None:
     record = BudgetRecord()
     cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4, publish_interval_s=0)

@@ -134,23 +134,25 @@ class PageBacking(PageBook):
         """Queue up to ``want`` pages for the background thread, within the physical headroom (charged
         now, so that two pools cannot both count on the same bytes)."""
         pages: list[int] = []
-        while want > 0 and self._unmapped and not self._phys.over_limit():
-            page = self._unmapped[-1]
-            if not self._phys.charge(self._geo.exclusive_bytes([page], self._is_backed)):
-                break
-            self._pop_unmapped()
-            self._page_state[page] = INFLIGHT
-            self._inflight_pages += 1
-            pages.append(page)
-            want -= 1
-        if pages:
-            assert isinstance(self._mapper, AsyncPageMapper)
-            try:
+        try:
+            while want > 0 and self._unmapped and not self._phys.over_limit():
+                page = self._unmapped[-1]
+                if not self._phys.charge(self._geo.exclusive_bytes([page], self._is_backed)):
+                    break
+                self._pop_unmapped()
+                self._page_state[page] = INFLIGHT
+                self._inflight_pages += 1
+                pages.append(page)
+                want -= 1
+            if pages:
+                assert isinstance(self._mapper, AsyncPageMapper)
                 job = self._mapper.map_async(pages)
-            except BaseException:
+                self._inflight[job] = pages
+        except BaseException:
+            # the record refused unexpectedly, or the data plane did not queue the job: nothing was queued
+            if pages:
                 self._undo_inflight(pages)
-                raise
-            self._inflight[job] = pages
+            raise
 
     def _refill_sync(self, want: int) -> None:
         """Map up to ``want`` reserve pages on this thread (mappers without a background thread)."""
