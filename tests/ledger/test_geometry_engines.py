@@ -175,8 +175,8 @@ def sglang_geometry(
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-@pytest.mark.parametrize("sgl_page", [1, 4])
+# (SGLang 0.5.23 itself refuses 'hnd' with pages of several tokens for this pool: _build_kv_buffer_descs)
+@pytest.mark.parametrize(("layout", "sgl_page"), [("nhd", 1), ("nhd", 4), ("hnd", 1)])
 def test_sglang_mha_layouts(sglang_pools, layout: str, sgl_page: int) -> None:
     mha, _ = sglang_pools
     pool = mha(
