@@ -99,7 +99,9 @@ class LocalMapper:
     ) -> LocalMapper:
         """Reserve the geometry's spaces on ``backend`` and group them: a ready mapper for a
         :class:`~elastic_kv.ledger.KVCacheManager`. ``cached_bytes`` caps the physical handles kept for
-        reuse after unmap (0 = release at once). The engine's tensors are ``torch.from_dlpack(space)`` over
+        reuse after unmap (0 = release at once); they save a create/release per map/unmap cycle but hold
+        device memory that no pool is charged for, so keep the cap small (the ledger's reserve already
+        avoids most cycles). The engine's tensors are ``torch.from_dlpack(space)`` over
         ``mapper.group.spaces``."""
         from elastic_kv import _vmm
 
