@@ -208,7 +208,9 @@ class RecordLayout:
     limit_bytes = _c.integer("q")  # UNLIMITED (0) or the pool's physical limit
     limit_revision = _c.integer("Q")  # bumped by every limit change
     trim_revision = _c.integer("Q")  # bumped by every trim request
-    charged_bytes = _c.integer("q")  # a copy of the device slot's charge for readers; the slot is authoritative
+    charged_bytes = _c.integer(
+        "q"
+    )  # copy of the device slot's charge, for readers; the slot is authoritative
     name = _c.text(64)
     device = _c.text(64)
     engine = _c.text(32)
