@@ -144,7 +144,7 @@ def main() -> None:
                     reserve_misses=misses,
                     epoch=0,
                     timestamp=time.time(),
-                )  # fmt: skip
+                )
             )
             reply({"ok": True})
         elif cmd == "fork-sleeper":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -45,7 +46,7 @@ def _fields(layout: type) -> list[tuple[str, int, int]]:
 def test_fields_fit_do_not_overlap_and_are_aligned(layout: type, size: int) -> None:
     fields = sorted(_fields(layout), key=lambda f: f[1])
     assert fields, "no fields found"
-    for (name, offset, length), (next_name, next_offset, _) in zip(fields, fields[1:], strict=False):
+    for (name, offset, length), (next_name, next_offset, _) in itertools.pairwise(fields):
         assert offset + length <= next_offset, f"{name} overlaps {next_name}"
     last_name, last_offset, last_length = fields[-1]
     assert last_offset + last_length <= size, f"{last_name} runs past the end"

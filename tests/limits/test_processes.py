@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from elastic_kv.budget import DeviceBudget
 from elastic_kv.registry import PoolRecord
@@ -211,10 +212,10 @@ def test_concurrent_charges_never_exceed_the_budget(
     assert Registry(registry_dir).device("cuda:0").charged_bytes == sum(r["held"] for r in reports)
 
 
-def _ready_reports(workers: list[PoolProcess]) -> list[dict[str, object]] | None:
+def _ready_reports(workers: list[PoolProcess]) -> list[dict[str, Any]] | None:
     """Every worker's hammer report if all have answered, else None (never blocks on a busy worker)."""
-    streams = [w.proc.stdout for w in workers]
+    streams = [w.proc.stdout for w in workers if w.proc.stdout is not None]
     readable, _, _ = select.select(streams, [], [], 0)
-    if len(readable) < len(streams):
+    if len(readable) < len(workers):
         return None
-    return [w._read() for w in workers]
+    return [w.read_reply() for w in workers]
