@@ -55,6 +55,11 @@ def test_fields_fit_do_not_overlap_and_are_aligned(layout: type, size: int) -> N
             assert offset % length == 0, f"{name} is misaligned"
 
 
+def test_revisions_are_adjacent_for_poll() -> None:
+    """PoolRecord.poll reads limit_revision and trim_revision with one unpack."""
+    assert RecordLayout.trim_revision.offset == RecordLayout.limit_revision.offset + 8
+
+
 def test_device_layout_fits() -> None:
     fields = sorted(_fields(DeviceLayout), key=lambda f: f[1])
     assert fields[-1][1] + fields[-1][2] <= DeviceLayout.slots_start

@@ -26,6 +26,7 @@ import bisect
 import mmap
 import os
 import secrets
+import struct
 import sys
 import threading
 import time
@@ -68,6 +69,10 @@ class RecordEvents:
 
     limit_changed: bool  # the pool limit or the device budget changed: re-read limit_bytes / headroom_bytes
     trim_requested: bool  # kvctl asked the pool to return its mapped reserve now
+
+
+_NO_EVENTS = RecordEvents(limit_changed=False, trim_requested=False)
+_REVISIONS = struct.Struct("<QQ")  # RecordLayout.limit_revision, then trim_revision
 
 
 class _Owned:
@@ -150,8 +155,9 @@ class PoolRecord:
         self._charge_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._closed = False
-        self._seen_limit = RecordLayout.limit_revision.get(self._map)
-        self._seen_trim = RecordLayout.trim_revision.get(self._map)
+        self._seen_revisions: tuple[int, int] = _REVISIONS.unpack_from(
+            self._map, RecordLayout.limit_revision.offset
+        )
         self._seen_budget = self._budget.budget_revision
         self._finalizer = weakref.finalize(self, owned.release)
 
@@ -334,15 +340,18 @@ class PoolRecord:
         Reads three counters from the mappings -- no system call, no lock -- so the ledger may call it on
         every allocation. A change seen once is not reported again.
         """
-        self._check_open()
-        limit_rev = RecordLayout.limit_revision.get(self._map)
-        trim_rev = RecordLayout.trim_revision.get(self._map)
+        if self._closed:
+            raise ValueError(f"pool record {self._name!r} is closed")
+        # limit_revision and trim_revision are adjacent: one unpack reads both.
+        revisions = _REVISIONS.unpack_from(self._map, RecordLayout.limit_revision.offset)
         budget_rev = self._budget.budget_revision
+        if revisions == self._seen_revisions and budget_rev == self._seen_budget:
+            return _NO_EVENTS  # the common case, kept allocation-free
         events = RecordEvents(
-            limit_changed=limit_rev != self._seen_limit or budget_rev != self._seen_budget,
-            trim_requested=trim_rev != self._seen_trim,
+            limit_changed=revisions[0] != self._seen_revisions[0] or budget_rev != self._seen_budget,
+            trim_requested=revisions[1] != self._seen_revisions[1],
         )
-        self._seen_limit, self._seen_trim, self._seen_budget = limit_rev, trim_rev, budget_rev
+        self._seen_revisions, self._seen_budget = revisions, budget_rev
         return events
 
     # -- statistics -----------------------------------------------------------------------------------
