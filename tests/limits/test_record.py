@@ -299,3 +299,15 @@ def test_stale_temporary_files_are_removed(registry_dir: Path) -> None:
     registry.reclaim()
     assert not stale.exists()
     assert fresh.exists()  # could be a creator that has not locked it yet
+
+
+def test_close_survives_a_deleted_registry_directory(
+    registry_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rec = make(registry_dir)
+    assert rec.try_charge(MiB)
+    for path in registry_dir.iterdir():
+        path.unlink()
+    registry_dir.rmdir()
+    rec.close()  # nothing shared is left to clean; local resources are still released
+    assert "could not remove it cleanly" in caplog.text

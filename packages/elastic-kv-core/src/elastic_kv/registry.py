@@ -23,6 +23,7 @@ names the engine plugin made up, never for a name the user chose.
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 import secrets
@@ -56,6 +57,8 @@ from elastic_kv.registry_view import read_record, reclaim_dead_locked
 from elastic_kv.snapshot import PoolSnapshot
 
 __all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
+
+logger = logging.getLogger(__name__)
 
 # headroom_bytes when neither a pool limit nor a device budget applies.
 UNBOUNDED = sys.maxsize
@@ -99,20 +102,26 @@ class _Owned:
     def release(self) -> None:
         # A forked child inherits the mapping but is not the owner: it must not remove the record.
         if os.getpid() == self.owner_pid:
-            with registry_lock(self.config):
-                with self.budget.locked():
-                    if self.slot >= 0:
-                        self.budget.release_slot_locked(self.slot, self.token)
-                # Unlink only our own file: after a reclaim (e.g. while this process was stopped) the name
-                # may already belong to a new pool.
-                try:
-                    if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                        os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+            try:
+                self._remove_shared_state()
+            except OSError as exc:  # e.g. the registry directory was deleted: nothing left to clean
+                logger.warning("pool record %s: could not remove it cleanly: %s", self.path, exc)
         self.map.close()
         self.budget.close()
         os.close(self.fd)  # drops the liveness lock
+
+    def _remove_shared_state(self) -> None:
+        with registry_lock(self.config):
+            with self.budget.locked():
+                if self.slot >= 0:
+                    self.budget.release_slot_locked(self.slot, self.token)
+            # Unlink only our own file: after a reclaim (e.g. while this process was stopped) the name
+            # may already belong to a new pool.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 def _initial_record(
