@@ -131,7 +131,7 @@ def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, Pool
         (("budget", "cuda:7"), EXIT_UNKNOWN, "no budget for device 'cuda:7'.*known devices: cuda:0"),
         (("limit", "llama", "12X"), EXIT_BAD_ARGUMENT, "invalid size '12X'"),
         (("limit", "llama", "--", "-1G"), EXIT_BAD_ARGUMENT, "invalid size"),
-        (("limit", "llama", "1.5"), EXIT_BAD_ARGUMENT, "whole"),
+        (("limit", "llama", "1.5"), EXIT_BAD_ARGUMENT, "whole number of bytes"),
         (("limit", "llama", "150%"), EXIT_BAD_ARGUMENT, "at most 100%"),
         (("limit", "llama", "0"), EXIT_BAD_ARGUMENT, "'unlimited'"),
         (("limit", "qwen", "0.0000000001%"), EXIT_BAD_ARGUMENT, "0 bytes"),
