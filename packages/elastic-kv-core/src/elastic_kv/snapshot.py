@@ -73,7 +73,8 @@ class PoolSnapshot:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolSnapshot:
-        """Rebuild a snapshot from :meth:`as_dict` output; ``ValueError`` on a foreign schema or missing field."""
+        """Rebuild a snapshot from :meth:`as_dict` output (extra keys are ignored, so a newer writer
+        may add fields); ``ValueError`` on a foreign schema or a missing field."""
         schema = data.get("schema", SNAPSHOT_SCHEMA)
         if schema != SNAPSHOT_SCHEMA:
             raise ValueError(f"unknown pool snapshot schema {schema!r} (this build reads {SNAPSHOT_SCHEMA})")
