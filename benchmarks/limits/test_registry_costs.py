@@ -131,3 +131,9 @@ def test_scan_of_four_pools(benchmark: BenchmarkFixture, directory: Path, pools:
     """What one kvctl refresh or metrics scrape costs (reclaim pass included)."""
     registry = Registry(directory)
     benchmark(registry.pools)
+
+
+def test_headroom_when_the_budget_binds(benchmark: BenchmarkFixture, pools: list[PoolRecord]) -> None:
+    """headroom_bytes on a device whose budget is the tighter bound: it probes the other owners."""
+    Registry(pools[0].path.parent).set_budget("cuda:0", 64 * PAGE)
+    benchmark(lambda: pools[0].headroom_bytes)

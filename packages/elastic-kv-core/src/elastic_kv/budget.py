@@ -102,6 +102,7 @@ class DeviceBudget:
     def __init__(self, directory: Path, device: str, fd: int, mapping: mmap.mmap) -> None:
         """Use :meth:`open`."""
         self._directory = directory
+        self._record_prefix = os.path.join(directory, "")  # str joins: Path costs microseconds per probe
         self._device = device
         self._fd = fd
         self._map = mapping
@@ -249,7 +250,7 @@ class DeviceBudget:
             return None
         budget = DeviceLayout.budget_bytes.get(self._map)
         if budget != UNLIMITED and sum(DeviceLayout.charges.get_all(self._map)) + nbytes > budget:
-            if not self.reclaim_dead_slots_locked():
+            if not self.reclaim_dead_slots_locked(alive=slot):
                 return None
             if sum(DeviceLayout.charges.get_all(self._map)) + nbytes > budget:
                 return None
@@ -265,11 +266,16 @@ class DeviceBudget:
         DeviceLayout.charges.put(self._map, slot, charged - nbytes)
         return charged - nbytes
 
-    def reclaim_dead_slots_locked(self) -> list[str]:
-        """Free every slot whose owner is dead and return those pools' names; their charges go back."""
+    def reclaim_dead_slots_locked(self, *, alive: int = -1) -> list[str]:
+        """Free every slot whose owner is dead and return those pools' names; their charges go back.
+
+        ``alive``: a slot the caller knows is live (its own), not probed.
+        """
         reclaimed = []
         checked: dict[int, float] = {}
         for slot in self._occupied_slots():
+            if slot == alive:
+                continue
             base = DeviceLayout.slots_start + slot * SlotLayout.SIZE
             token = SlotLayout.token.get(self._map, base)
             if self._slot_owner_alive(base, token):
@@ -283,7 +289,7 @@ class DeviceBudget:
 
     def _slot_owner_alive(self, base: int, token: int) -> bool:
         owner_ns = SlotLayout.pid_namespace.get(self._map, base)
-        record = self._directory / f"{SlotLayout.name.get(self._map, base)}.pool"
+        record = f"{self._record_prefix}{SlotLayout.name.get(self._map, base)}.pool"
         try:
             fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

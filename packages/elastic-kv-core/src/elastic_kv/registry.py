@@ -299,14 +299,14 @@ class PoolRecord:
 
         A ledger that trusts this number may never call :meth:`try_charge` while the budget looks full,
         so the charge of an owner that died would block it until some scan reclaimed it. Therefore, when
-        the device budget is the tighter bound, dead owners are looked for first: about 5 us per other
-        pool on the device (a record-lock probe; a live owner's PID is re-read at most once a second).
+        the device budget is the tighter bound, dead owners are looked for first: about 9 us per other
+        pool on the device here (a record-lock probe; a live owner's PID is re-read at most once a second).
         Call it once per engine step, not per allocation.
         """
         room, budget_bound = self._room()
         if budget_bound:
             with self._budget.locked():
-                reclaimed = self._budget.reclaim_dead_slots_locked()
+                reclaimed = self._budget.reclaim_dead_slots_locked(alive=self._owned.slot)
             if reclaimed:
                 room, _ = self._room()
         return max(0, room)
