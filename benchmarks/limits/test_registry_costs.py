@@ -16,14 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from pytest_benchmark.fixture import BenchmarkFixture
-
 import elastic_kv.registry
+import pytest
 from elastic_kv.registry import PoolRecord
 from elastic_kv.registry_layout import SNAPSHOT_INT_FIELDS
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot, PoolState
+from pytest_benchmark.fixture import BenchmarkFixture
 
 MiB = 1 << 20
 PAGE = 2 * MiB

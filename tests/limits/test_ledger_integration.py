@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from elastic_kv.registry_view import Registry
 
 _vmm = pytest.importorskip("elastic_kv._vmm", reason="the data plane is not built (pip install packages/...)")

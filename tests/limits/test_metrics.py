@@ -11,12 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from elastic_kv.metrics import RegistryCollector
 from elastic_kv.registry_layout import HISTOGRAM_BOUNDS
 from elastic_kv.registry_view import Registry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from limits.helpers import PoolProcess
 
 MiB = 1 << 20

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from elastic_kv.errors import ConfigError
 from elastic_kv.registry import UNBOUNDED, PoolRecord
 from elastic_kv.registry_fs import ProcessIdentity, RegistryConfig, owner_is_dead, pid_namespace
