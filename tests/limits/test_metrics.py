@@ -137,3 +137,18 @@ def test_standalone_server(child_env: dict[str, str], busy_pool: PoolProcess) ->
             server.wait()
         if server.stderr is not None:
             server.stderr.close()
+
+
+def test_standalone_server_refuses_an_unusable_registry(tmp_path: Path, child_env: dict[str, str]) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.metrics", "--port", "0", "--registry-dir", str(loose)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 4
+    assert "chmod 700" in done.stderr and "Traceback" not in done.stderr
