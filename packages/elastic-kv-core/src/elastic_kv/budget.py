@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_kv.errors import ConfigError
+from elastic_kv.errors import ConfigError, StateConsistencyError
 from elastic_kv.registry_fs import (
     ProcessIdentity,
     check_device_name,
@@ -237,14 +237,16 @@ class DeviceBudget:
         SlotLayout.token.put(self._map, 0, base)
         return charged
 
-    def try_charge_locked(self, slot: int, nbytes: int, limit_bytes: int) -> int | None:
+    def try_charge_locked(self, slot: int, token: int, nbytes: int, limit_bytes: int) -> int | None:
         """Add ``nbytes`` to ``slot`` if the pool's limit and the device budget allow; the new charge or None.
 
         ``None`` changes nothing. When only the budget is in the way, dead owners' slots are reclaimed and
-        the check is repeated, so a refusal always means "live pools hold the budget". That look costs a
+        the check is repeated, so a refusal always means "live pools hold the budget".
+        :class:`StateConsistencyError` if ``slot`` no longer belongs to ``token``. That look costs a
         few system calls per pool on the device (measured in ``benchmarks/limits``), on the refusal path
         only.
         """
+        self._check_owner(slot, token)
         charged = DeviceLayout.charges.get(self._map, slot)
         if limit_bytes != UNLIMITED and charged + nbytes > limit_bytes:
             return None
@@ -257,14 +259,24 @@ class DeviceBudget:
         DeviceLayout.charges.put(self._map, slot, charged + nbytes)
         return charged + nbytes
 
-    def uncharge_locked(self, slot: int, nbytes: int) -> int:
+    def uncharge_locked(self, slot: int, token: int, nbytes: int) -> int:
         """Take ``nbytes`` off ``slot`` and return the new charge; ``ValueError`` (nothing changed) if more
-        than the slot holds."""
+        than the slot holds, :class:`StateConsistencyError` if ``slot`` no longer belongs to ``token``."""
+        self._check_owner(slot, token)
         charged = DeviceLayout.charges.get(self._map, slot)
         if nbytes > charged:
             raise ValueError(f"cannot uncharge {nbytes} bytes: the pool has {charged} bytes charged")
         DeviceLayout.charges.put(self._map, slot, charged - nbytes)
         return charged - nbytes
+
+    def _check_owner(self, slot: int, token: int) -> None:
+        # A slot is only taken from a live owner if its record file was deleted by hand and its PID is
+        # not visible (another PID namespace). Charging it then would charge whoever holds it now.
+        if SlotLayout.token.get(self._map, DeviceLayout.slots_start + slot * SlotLayout.SIZE) != token:
+            raise StateConsistencyError(
+                f"device {self._device}: slot {slot} no longer belongs to this pool (was its record file "
+                "removed by hand?); the pool's charges are no longer accounted"
+            )
 
     def reclaim_dead_slots_locked(self, *, alive: int = -1) -> list[str]:
         """Free every slot whose owner is dead and return those pools' names; their charges go back.

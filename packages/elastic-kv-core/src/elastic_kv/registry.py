@@ -332,7 +332,8 @@ class PoolRecord:
         charge plus ``nbytes`` fits its limit and every pool's charge on the device plus ``nbytes`` fits
         the budget. False charges nothing -- the caller reports ``PoolExhausted`` pressure. Costs two
         ``flock`` calls (microseconds; see ``benchmarks/limits``): call it per page mapped, not per block.
-        ``ValueError`` if ``nbytes`` is negative or the record is closed.
+        ``ValueError`` if ``nbytes`` is negative or the record is closed; ``StateConsistencyError`` if
+        the pool lost its device slot (its record file was deleted by hand and its PID is not visible).
         """
         if nbytes < 0:
             raise ValueError(f"cannot charge a negative amount ({nbytes} bytes)")
@@ -342,7 +343,7 @@ class PoolRecord:
                 return True
             with self._budget.locked():
                 charged = self._budget.try_charge_locked(
-                    self._owned.slot, nbytes, RecordLayout.limit_bytes.get(self._map)
+                    self._owned.slot, self._owned.token, nbytes, RecordLayout.limit_bytes.get(self._map)
                 )
                 if charged is None:
                     return False
@@ -357,7 +358,7 @@ class PoolRecord:
         with self._charge_lock:
             self._check_open()
             with self._budget.locked():
-                charged = self._budget.uncharge_locked(self._owned.slot, nbytes)
+                charged = self._budget.uncharge_locked(self._owned.slot, self._owned.token, nbytes)
                 RecordLayout.charged_bytes.put(self._map, charged)
 
     # -- control from kvctl ---------------------------------------------------------------------------
