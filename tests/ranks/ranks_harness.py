@@ -327,7 +327,9 @@ class Cluster:
         return t
 
     def coordinator(self, pool: int, *, timeout: float = 2.0, retries: int = 3) -> Coordinator:
-        return Coordinator(self.transport(), pool=pool, timeout=timeout, retries=retries, handshake_timeout=30)
+        return Coordinator(
+            self.transport(), pool=pool, timeout=timeout, retries=retries, handshake_timeout=30
+        )
 
     def _rpc_call(self, payload: bytes, timeout: float) -> Sequence[bytes]:
         """All-or-nothing broadcast over pipes, with collective_rpc's semantics."""
@@ -363,7 +365,9 @@ class Cluster:
             if ranks is not None and r not in ranks:
                 continue
             expected = baselines[r] + per_page[r] * len(pages)
-            assert live == expected, f"rank {r}: {live} live handles, expected {expected} for {len(pages)} pages"
+            assert live == expected, (
+                f"rank {r}: {live} live handles, expected {expected} for {len(pages)} pages"
+            )
 
     def assert_agree(self, pool: int, pages: Sequence[int] | None = None) -> tuple[int, ...]:
         """Every living rank is consistent and maps the same pages (``pages`` if given); no leaks."""

@@ -4,10 +4,9 @@ finished, without blocking the coordinator and without a device-wide synchronize
 from __future__ import annotations
 
 import pytest
-from ranks_harness import Cluster
-
 from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.ranks import EpochFence
+from ranks_harness import Cluster
 
 
 def _future_epoch(cluster: Cluster) -> int:

@@ -4,10 +4,9 @@ data-plane failures injected with FaultInjectingBackend, handle counts checked o
 from __future__ import annotations
 
 import pytest
-from ranks_harness import REAL_VMM, Cluster
-
 from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.ranks import Coordinator
+from ranks_harness import REAL_VMM, Cluster
 
 
 def test_map_and_unmap_reach_every_rank(cluster: Cluster, pool: int) -> None:
@@ -68,7 +67,7 @@ def test_failed_rollback_enters_the_error_state(cluster: Cluster, pool: int) -> 
     with pytest.raises(StateConsistencyError, match="rank 0 INCONSISTENT"):
         c.map([3])
     assert not c.consistent
-    with pytest.raises(StateConsistencyError, match="consistency-error state.*rollback"):
+    with pytest.raises(StateConsistencyError, match=r"consistency-error state.*rollback"):
         c.map([4])  # every later call refuses, with the reason
     with pytest.raises(StateConsistencyError):
         c.unmap([3])

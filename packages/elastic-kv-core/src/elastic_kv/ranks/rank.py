@@ -242,7 +242,8 @@ class Rank:
     def add_pool(
         self, target: RankTarget, *, pool: int = 0, backend: Any = None, handle_pool: Any = None
     ) -> None:
-        """Serve ``target`` as pool ``pool``. ``backend``/``handle_pool`` (optional) feed STATUS's handle counts."""
+        """Serve ``target`` as pool ``pool``. ``backend`` and ``handle_pool`` (optional) feed the handle
+        counts of STATUS replies."""
         with self._lock:
             if pool in self._pools:
                 raise ValueError(f"pool {pool} is already served by rank {self.rank}")
@@ -250,7 +251,8 @@ class Rank:
 
     def remove_pool(self, pool: int) -> None:
         """Stop serving ``pool`` and drop this rank's references to its target (KeyError when not served).
-        Later requests for it are answered UNKNOWN_POOL. Used to rebuild a pool after the consistency-error state."""
+        Later requests for it are answered UNKNOWN_POOL. Used to rebuild a pool after the consistency-error
+        state."""
         with self._lock:
             del self._pools[pool]
 
@@ -368,7 +370,8 @@ class Rank:
         if still:
             raise _Failed(
                 Code.BUSY,
-                f"pages {still[:8]} are still retiring behind epoch {epoch} (finished: {self.fence.finished})",
+                f"pages {still[:8]} are still retiring behind epoch {epoch} "
+                f"(finished: {self.fence.finished})",
             )
 
     def _rollback(self, pool: _PoolRank, req: Request) -> Status:
