@@ -40,14 +40,7 @@ from elastic_kv.ranks import (
 )
 from elastic_kv.ranks.messages import MessageError, Op, Reply, Request, peek_prefix
 
-try:
-    from elastic_kv import _vmm
-
-    REAL_VMM = True
-except ImportError:  # TEMPORARY until the data plane is merged on this branch
-    import _memvmm as _vmm  # type: ignore[no-redef]
-
-    REAL_VMM = False
+from elastic_kv import _vmm
 
 DIE_EXIT_CODE = 17
 BUSY_WAIT_S = 0.5  # how long a MAP of a retiring page waits for its epoch
@@ -152,10 +145,14 @@ class RankNode:
         consistency-error state); return (live handles after, live handles before the pool existed)."""
         self.rank.remove_pool(pool)
         p = self.pools.pop(pool)
+        p.group.close()
         backend, empty = p.backend, p.empty
         del p
         gc.collect()
         return int(backend.live_handles), empty
+
+    def failed_releases(self, pool: int) -> int:
+        return int(self.pools[pool].handle_pool.failed_releases)
 
     def map_local(self, pool: int, pages: list[int]) -> None:
         self.pools[pool].group.map(pages)

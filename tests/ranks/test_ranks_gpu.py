@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+from elastic_kv import _vmm
 from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.ranks.messages import Op
 from ranks_harness import Cluster
@@ -62,7 +63,7 @@ def test_failed_prepare_is_aborted_on_the_other_gpu(cluster: Cluster, pool: int)
     c = cluster.coordinator(pool, timeout=30.0)
     c.map([4, 5])
     cluster.ctl(0, "fail", pool, "unmap", 1, 1, "error")
-    with pytest.raises(Exception, match="rolled back on every rank"):
+    with pytest.raises(_vmm.BackendError, match="rolled back on every rank"):
         c.unmap([4, 5])
     cluster.assert_agree(pool, [4, 5])
 

@@ -106,6 +106,7 @@ class Code(enum.IntEnum):
     BUSY = 10  # a page is still retiring behind an epoch that did not finish in time
     INTERNAL = 11  # an unexpected exception; the message carries it
     SHUTTING_DOWN = 12  # the listener is draining and takes no new calls
+    BACKEND = 13  # a driver call failed (not memory); the data plane rolled it back: nothing changed
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,11 @@ from elastic_kv.ranks.messages import (
     peek_prefix,
 )
 
+try:
+    from elastic_kv._vmm import BackendError
+except ImportError:  # a data plane that is not ours: its untyped errors are treated as unknown state
+    BackendError = None  # type: ignore[assignment,misc]
+
 __all__ = ["Rank", "RankTarget"]
 
 logger = logging.getLogger(__name__)
@@ -94,6 +99,7 @@ class _TxState(enum.Enum):
     ABORTED = "aborted"
 
 
+_MAX_TX = 1 << 63  # the data plane's transaction ids are int64
 _MAP_STATES = {_TxState.MAPPED, _TxState.MAP_FAILED, _TxState.ROLLED_BACK}
 _ACTIVE_STATES = {_TxState.QUEUED, _TxState.COMMIT_QUEUED, _TxState.PREPARED}
 
@@ -156,8 +162,8 @@ class _PoolRank:
 
     def lookup(self, tx: int, op: Op) -> _Tx | None:
         """The record of ``tx``; None for a new transaction; _Failed for a stale unknown one."""
-        if tx == 0:
-            raise _Failed(Code.BAD_ARGUMENT, "transaction id 0 is reserved")
+        if not 0 < tx < _MAX_TX:
+            raise _Failed(Code.BAD_ARGUMENT, f"transaction id {tx} is outside [1, 2**63)")
         record = self.history.get(tx)
         if record is None and tx <= self.last_tx:
             raise _Failed(
@@ -211,8 +217,10 @@ def _data_plane_failure(pool: _PoolRank, what: str, exc: Exception) -> _Failed:
         return _Failed(Code.EXHAUSTED, f"{what}: {exc}")
     if isinstance(exc, StateConsistencyError):
         return pool.break_(f"{what}: {exc}")
-    if isinstance(exc, ValueError):
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):  # refused before any state changed
         return _Failed(Code.BAD_ARGUMENT, f"{what}: {exc}")
+    if BackendError is not None and isinstance(exc, BackendError):  # rolled back by the data plane
+        return _Failed(Code.BACKEND, f"{what}: {exc}")
     return pool.break_(f"{what}: unexpected {exc!r}")
 
 
