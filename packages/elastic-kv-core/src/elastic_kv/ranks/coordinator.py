@@ -18,8 +18,8 @@ pool is never allowed to diverge silently.
 
 Errors raised after a clean rollback (the pool is unchanged on every rank): ``PoolExhausted`` (a rank had no
 memory, or a page was still retiring behind its epoch), ``ValueError`` (bad pages), ``TimeoutError`` (a rank
-did not answer in time; the rollback reached every rank), ``elastic_kv._vmm.BackendError`` (a driver call failed on
-a rank for a reason other than memory, as ``LocalMapper`` would raise it).
+did not answer in time; the rollback reached every rank), ``elastic_kv._vmm.BackendError`` (a driver call
+failed on a rank for a reason other than memory, as ``LocalMapper`` would raise it).
 """
 
 from __future__ import annotations

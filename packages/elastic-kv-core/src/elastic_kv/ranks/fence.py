@@ -57,9 +57,8 @@ class EpochFence:
 
     @property
     def finished(self) -> int:
-        """Highest epoch known to be finished (0: none)."""
-        with self._cond:
-            return self._finished
+        """Highest epoch known to be finished (0: none). Lock-free: one int read, and the value only grows."""
+        return self._finished
 
     def finish(self, epoch: int) -> None:
         """Declare that device work of every epoch <= ``epoch`` has finished. Lower values are ignored."""

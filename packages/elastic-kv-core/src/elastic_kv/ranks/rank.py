@@ -36,7 +36,7 @@ import enum
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -246,6 +246,13 @@ class Rank:
         self.busy_wait = busy_wait
         self._pools: dict[int, _PoolRank] = {}
         self._lock = threading.Lock()
+        self._handlers: dict[Op, Callable[[_PoolRank, Request], Status]] = {
+            Op.MAP: self._map,
+            Op.ROLLBACK: self._rollback,
+            Op.PREPARE: self._prepare,
+            Op.COMMIT: self._commit,
+            Op.ABORT: self._abort,
+        }
 
     def add_pool(
         self, target: RankTarget, *, pool: int = 0, backend: Any = None, handle_pool: Any = None
@@ -326,27 +333,20 @@ class Rank:
             self.fence.finish(req.finished_epoch)
         if pool.queued:
             pool.drain(self.fence)
-
-        def reply(status: Status = Status.OK, pages: tuple[int, ...] = (), with_info: bool = False) -> Reply:
-            info = pool.info(self.fence) if with_info else None
-            return Reply(req.request_id, self.rank, status, Code.NONE, req.pool, "", pages, info)
-
         if req.op is Op.STATUS:
             # The pool's view: retiring pages are still backed here but no longer the pool's.
-            live = (p for p in pool.target.mapped_pages() if p not in pool.retiring)
-            return reply(pages=tuple(sorted(live)), with_info=True)
+            live = tuple(sorted(p for p in pool.target.mapped_pages() if p not in pool.retiring))
+            return Reply(
+                req.request_id, self.rank, Status.OK, Code.NONE, req.pool, "", live, pool.info(self.fence)
+            )
         if req.op is Op.SYNC:
-            return reply(with_info=True)
+            return Reply(
+                req.request_id, self.rank, Status.OK, Code.NONE, req.pool, "", (), pool.info(self.fence)
+            )
         if error := pool.error():
             raise _Failed(Code.INCONSISTENT, f"rank {self.rank} pool {req.pool} is inconsistent: {error}")
-        handler = {
-            Op.MAP: self._map,
-            Op.ROLLBACK: self._rollback,
-            Op.PREPARE: self._prepare,
-            Op.COMMIT: self._commit,
-            Op.ABORT: self._abort,
-        }[req.op]
-        return reply(handler(pool, req))
+        status = self._handlers[req.op](pool, req)
+        return Reply(req.request_id, self.rank, status, Code.NONE, req.pool)
 
     # --- handlers: each returns the reply status or raises _Failed -----------------------------
     def _map(self, pool: _PoolRank, req: Request) -> Status:
