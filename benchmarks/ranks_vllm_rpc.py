@@ -105,7 +105,8 @@ def main() -> None:
         distributed_executor_backend=args.executor,
         worker_extension_cls="ranks_vllm_rpc.RankExtension",
     )
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the client is an InprocClient around the EngineCore itself.
+    executor = llm.llm_engine.engine_core.engine_core.model_executor  # type: ignore[attr-defined]
     rpc = executor.collective_rpc
     payload = b"x" * 48  # the size of a one-page MAP request
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_kv import _vmm
 from elastic_kv.ranks import (
     BroadcastTransport,
     Coordinator,
@@ -39,8 +40,6 @@ from elastic_kv.ranks import (
     socket_path,
 )
 from elastic_kv.ranks.messages import MessageError, Op, Reply, Request, peek_prefix
-
-from elastic_kv import _vmm
 
 DIE_EXIT_CODE = 17
 BUSY_WAIT_S = 0.5  # how long a MAP of a retiring page waits for its epoch
@@ -344,16 +343,17 @@ class Cluster:
             ready = multiprocessing.connection.wait(waiting, max(deadline - time.monotonic(), 0))
             if not ready:
                 raise TimeoutError(f"{len(waiting)} workers did not answer within {timeout}s")
-            for conn in ready:
-                data = conn.recv_bytes()  # type: ignore[union-attr]
+            for ready_conn in ready:
+                i = next(k for k, c in enumerate(conns) if c is ready_conn)
+                data = conns[i].recv_bytes()
                 if request_id is None or peek_prefix(data)[2] == request_id:  # else: a stale reply
-                    replies[conns.index(conn)] = data  # type: ignore[arg-type]
+                    replies[i] = data
         return [replies[i] for i in range(len(conns))]
 
     # --- checks ----------------------------------------------------------------------------------
     def snapshots(self, pool: int) -> dict[int, tuple[tuple[int, ...], int, bool, int]]:
         """Per living rank: (mapped pages, live handles, consistent, queued unmaps)."""
-        return {r: tuple(self.ctl(r, "snapshot", pool)) for r in range(self.world) if self.alive(r)}  # type: ignore[misc]
+        return {r: self.ctl(r, "snapshot", pool) for r in range(self.world) if self.alive(r)}
 
     def assert_no_leaks(self, pool: int, ranks: Sequence[int] | None = None) -> None:
         """Every given (default: living) rank holds exactly the handles its mapped pages need."""
