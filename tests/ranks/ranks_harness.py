@@ -150,6 +150,10 @@ class RankNode:
         gc.collect()
         return int(backend.live_handles), empty
 
+    def tx_state(self, pool: int, tx: int) -> str | None:
+        """The data plane's record of transaction ``tx``."""
+        return self.pools[pool].group.tx_state(tx)
+
     def failed_releases(self, pool: int) -> int:
         return int(self.pools[pool].handle_pool.failed_releases)
 
@@ -171,6 +175,10 @@ class RankNode:
 
     def fence(self) -> int:
         return self.rank.fence.finished
+
+    def in_flight(self) -> bool:
+        assert self.listener is not None
+        return self.listener.in_flight
 
     def close_listener(self, timeout: float) -> tuple[bool, bool]:
         assert self.listener is not None
@@ -301,6 +309,13 @@ class Cluster:
         status, value = self.ctrls[r].recv()
         assert status == "ok", f"rank {r} {cmd}{args}: {value}"
         return value
+
+    def wait_in_flight(self, r: int, timeout: float = 10.0) -> None:
+        """Block until rank ``r``'s listener is applying a request (socket clusters)."""
+        deadline = time.monotonic() + timeout
+        while not self.ctl(r, "in_flight"):
+            assert time.monotonic() < deadline, f"rank {r} never started the request"
+            time.sleep(0.005)
 
     def new_pool(self, num_pages: int = 16) -> int:
         """Add a fresh pool on every rank; returns its id."""
