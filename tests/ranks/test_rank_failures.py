@@ -132,6 +132,6 @@ def test_unconfirmed_abort_enters_the_error_state(cluster: Cluster, pool: int) -
     assert not c.consistent
     # Rank 1 applies the late PREPARE, then the ABORTs queued behind it: the ranks end up agreeing, but the
     # coordinator could not know that in time, so it had to stop the pool.
-    unmap_tx = 2  # tx 1 was the map
-    _eventually(lambda: cluster.ctl(1, "tx_state", pool, unmap_tx) == "aborted")  # prepared late, then aborted
+    unmap_tx = 2  # tx 1 was the map; rank 1 prepares it late, then aborts it
+    _eventually(lambda: cluster.ctl(1, "tx_state", pool, unmap_tx) == "aborted")
     cluster.assert_agree(pool, [1])
