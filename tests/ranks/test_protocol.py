@@ -30,6 +30,9 @@ def test_bad_pages_change_nothing(cluster: Cluster, pool: int) -> None:
         c.map([c.num_pages])
     with pytest.raises(ValueError, match="duplicate"):
         c.map([1, 1])
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="not an integer"):
+            c.map([2, bad])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="rolled back on every rank"):
         c.map([5, 4])  # 4 is mapped: every rank refuses, nothing changes
     with pytest.raises(ValueError, match="not mapped"):
