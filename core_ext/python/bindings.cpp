@@ -181,6 +181,13 @@ void bind_backends(py::module_& m) {
             b.arm(op_from_name(op), nth, times, error == "oom");
           },
           py::arg("op"), py::arg("nth") = 1, py::arg("times") = 1, py::arg("error") = "oom")
+      .def(
+          "delay",
+          [](FaultInjectingBackend& b, const std::string& op, double seconds) {
+            if (!(seconds >= 0)) throw InvalidArgument("a delay must be non-negative");
+            b.set_delay(op_from_name(op), static_cast<long>(seconds * 1e6));
+          },
+          py::arg("op"), py::arg("seconds"))
       .def("clear", &FaultInjectingBackend::disarm)
       .def("injected", [](const FaultInjectingBackend& b, const std::string& op) {
         return b.injected(op_from_name(op));

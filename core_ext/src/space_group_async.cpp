@@ -77,7 +77,8 @@ void SpaceGroup::run_request(std::unique_lock<std::mutex>& lock, const Request& 
     } catch (const std::exception& e) {
       rolled_back = false;
       mark_inconsistent(std::string("rolling back a failed map_async failed: ") + e.what());
-      *error += std::string("; rolling back the pages mapped so far failed: ") + e.what();
+      error = "StateConsistencyError: rolling back the pages mapped so far failed (" + std::string(e.what()) +
+              ") after " + *error;
     }
   }
   if (!error) {

@@ -9,6 +9,9 @@
 //                             (times < 0: every call from the nth on, until disarm()). `oom` selects
 //                             OutOfMemory (what cuMemCreate/cuMemMap report) over a generic DriverError.
 //
+//   delay(op, us):            every call of `op` first sleeps `us` microseconds (a slow driver), so that tests
+//                             can observe work in flight (pending pre-mapping, interleaved threads).
+//
 // Tests enumerate injection points by counting calls per operation in an uninjected run (calls(op)) and then
 // arming each position 1..N in a fresh setup; injected(op) proves that the armed failure actually fired.
 // Thread safety: the counters and the armed plan share one mutex; the inner call runs outside it.
@@ -28,7 +31,9 @@ class FaultInjectingBackend final : public Backend {
 
   // Arms a failure (see the header comment). Replaces an earlier plan for the same op. nth >= 1, times != 0.
   void arm(Op op, long nth, long times, bool oom);
-  // Disarms every op.
+  // Every later call of `op` sleeps `microseconds` first (0 = no delay).
+  void set_delay(Op op, long microseconds);
+  // Disarms every op and removes every delay.
   void disarm() noexcept;
   // Failures injected so far for `op` (since construction).
   std::size_t injected(Op op) const;
@@ -66,6 +71,7 @@ class FaultInjectingBackend final : public Backend {
   std::array<long, static_cast<int>(Op::kCount)> seen_{};
   std::array<std::size_t, static_cast<int>(Op::kCount)> injected_{};
   std::array<Plan, static_cast<int>(Op::kCount)> plans_{};
+  std::array<long, static_cast<int>(Op::kCount)> delay_us_{};
 };
 
 }  // namespace elastic_kv
