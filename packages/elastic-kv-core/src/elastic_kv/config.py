@@ -33,28 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from elastic_kv.errors import ConfigError
+from elastic_kv.sizes import parse_size
 
 __all__ = ["ENV_PREFIX", "ElasticConfig", "parse_size"]
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ELASTIC_KV_"
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte size (``4096``, ``512K``, ``2M``, ``2MiB``, ``1.5G``, binary); else ``ValueError``."""
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512K, 2M, 1.5G)")
-    number, unit = match.groups()
-    value = float(number) * _UNITS[unit.upper()]
-    if not math.isfinite(value) or value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
-
 
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()

@@ -91,15 +91,20 @@ class RegistryConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RegistryConfig:
-        """The directory from ``ELASTIC_KV_REGISTRY_DIR``, else ``/dev/shm/elastic-kv-<euid>``.
+        """The directory of :class:`ElasticConfig` (``ELASTIC_KV_REGISTRY_DIR``), else the default.
 
-        Falls back to the system temporary directory where ``/dev/shm`` does not exist. Reads the
-        environment only here, when called -- never at import time.
+        The default is ``/dev/shm/elastic-kv-<euid>``, or the system temporary directory where ``/dev/shm``
+        does not exist. The environment is read by :meth:`ElasticConfig.from_env` (the one place that reads
+        it), when called -- never at import time.
         """
-        env = os.environ if environ is None else environ
-        explicit = env.get(ENV_REGISTRY_DIR, "").strip()
-        if explicit:
-            return cls(Path(explicit))
+        from elastic_kv.config import ElasticConfig
+
+        explicit = ElasticConfig.from_env(os.environ if environ is None else environ).registry_dir
+        return cls(explicit) if explicit is not None else cls.default()
+
+    @classmethod
+    def default(cls) -> RegistryConfig:
+        """``/dev/shm/elastic-kv-<euid>`` (or under the temporary directory where there is no /dev/shm)."""
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         return cls(base / f"elastic-kv-{os.geteuid()}")
 
