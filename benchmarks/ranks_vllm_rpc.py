@@ -12,7 +12,7 @@ Then it drives a :class:`Coordinator` over :class:`BroadcastTransport` wrapping 
 protocol on the engine's channel, which is what the vLLM adapter will do.
 
     python benchmarks/ranks_vllm_rpc.py [--iters 2000] [--tp 1]
-    VLLM_CPU_OMP_THREADS_BIND="0|1" python benchmarks/ranks_vllm_rpc.py --tp 2   # two workers on one NUMA node
+    VLLM_CPU_OMP_THREADS_BIND="0|1" python benchmarks/ranks_vllm_rpc.py --tp 2  # two workers, one NUMA node
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ _CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny Llama; head size = hidden_size // num_attention_heads (CPU attention needs 32, 64, ...)."""
+    """Shape of a tiny Llama; head size = hidden_size // num_attention_heads (CPU attention: 32, 64, ...)."""
 
     name: str = "tiny-llama"
     vocab_size: int = 1024
