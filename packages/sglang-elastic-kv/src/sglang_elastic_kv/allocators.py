@@ -246,7 +246,9 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             return False
         if not new:
             return False
-        self.free_pages = torch.cat((self.free_pages, torch.tensor(new, dtype=torch.int64, device=self.device)))
+        self.free_pages = torch.cat(
+            (self.free_pages, torch.tensor(new, dtype=torch.int64, device=self.device))
+        )
         self._owned_pages += len(new)
         return True
 
@@ -269,7 +271,9 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
     ) -> torch.Tensor | None:
         """SGLang's ``alloc_extend`` after backing exactly the new pages it needs (counted on the CPU)."""
         if num_new_pages is None:
-            num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
+            num_new_pages = get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
         if not self._ensure_pages(num_new_pages):
             return None
         result: torch.Tensor | None = super().alloc_extend(

@@ -107,9 +107,7 @@ def select(version: str) -> Seams:
     for row in SEAMS:
         if row.first <= parsed < row.end:
             return row
-    supported = ", ".join(
-        f">={'.'.join(map(str, r.first))},<{'.'.join(map(str, r.end))}" for r in SEAMS
-    )
+    supported = ", ".join(f">={'.'.join(map(str, r.first))},<{'.'.join(map(str, r.end))}" for r in SEAMS)
     if parsed < SEAMS[0].first:
         why = (
             "it builds its KV pools without consulting the platform's pool and allocator seams "

@@ -89,7 +89,9 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
 
     def elastic(sub: Any) -> Any:
         if type(sub) is TokenToKVPoolAllocator:
-            return ElasticTokenToKVPoolAllocator(sub.size, sub.dtype, sub.device, sub.get_kvcache(), sub.need_sort)
+            return ElasticTokenToKVPoolAllocator(
+                sub.size, sub.dtype, sub.device, sub.get_kvcache(), sub.need_sort
+            )
         return sub
 
     if type(allocator) is SWATokenToKVPoolAllocator:
@@ -105,12 +107,16 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
             f"{ElasticTokenToKVPoolAllocator.__name__}, {ElasticPagedTokenToKVPoolAllocator.__name__} "
             "over an MHA or MLA pool"
         )
-    logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(allocator.get_kvcache()).__name__)
+    logger.info(
+        "elastic KV allocator: %s over %s", type(allocator).__name__, type(allocator.get_kvcache()).__name__
+    )
     return allocator
 
 
-def bound_prefix_cache_after(max_cached_tokens: int, result: Any, req: Any, tree_cache: Any, *a: Any, **k: Any) -> None:
-    """After a release, evict what the prefix cache holds beyond ``max_cached_tokens`` (least recent first)."""
+def bound_prefix_cache_after(
+    max_cached_tokens: int, result: Any, req: Any, tree_cache: Any, *a: Any, **k: Any
+) -> None:
+    """After a release, evict what the prefix cache holds beyond ``max_cached_tokens`` (LRU first)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     if tree_cache is None or not tree_cache.supports_prefix_sharing():

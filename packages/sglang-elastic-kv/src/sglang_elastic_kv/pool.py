@@ -130,7 +130,9 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
             self.k_buffer = [buf[0, :rows] for buf in fused]
             self.v_buffer = [buf[1, :rows] for buf in fused]
         else:
-            self.k_buffer = [self.elastic.view(2 * i, 0, k_shape, self.store_dtype) for i in range(self.layer_num)]
+            self.k_buffer = [
+                self.elastic.view(2 * i, 0, k_shape, self.store_dtype) for i in range(self.layer_num)
+            ]
             self.v_buffer = [
                 self.elastic.view(2 * i + 1, 0, v_shape, self.store_dtype) for i in range(self.layer_num)
             ]
@@ -171,6 +173,7 @@ class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
             label=f"mla-{self.layer_num}l",
         )
         self.kv_buffer = [
-            self.elastic.view(i, 0, (rows, 1, self.kv_cache_dim), self.store_dtype) for i in range(self.layer_num)
+            self.elastic.view(i, 0, (rows, 1, self.kv_cache_dim), self.store_dtype)
+            for i in range(self.layer_num)
         ]
         logger.info("elastic MLA KV pool: %s", self.elastic.describe())
