@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from elastic_kv.errors import ConfigError, PoolExhausted
+from elastic_kv.errors import ConfigError
 from sglang_elastic_kv.pool import ElasticKVPool
 
 __all__ = [
@@ -72,8 +72,43 @@ class ElasticAllocatorMixin:
             )
         return kvcache.elastic.ledger
 
+    _ledger: Any
+    _prev_epoch: int = 0
+
     def elastic_available_size(self) -> int:
         """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
+        raise NotImplementedError
+
+    # -- once per engine step: SGLang opens a free group around every batch result it processes --------
+
+    def free_group_begin(self) -> None:
+        """SGLang's free group; a new release epoch: GPU work launched before now may still read blocks
+        freed in this group (overlap scheduling runs one batch ahead)."""
+        super().free_group_begin()  # type: ignore[misc]
+        self._ledger.advance_epoch()
+
+    def free_group_end(self) -> None:
+        """SGLang's frees, then the ledger's step housekeeping: the batch whose results were processed one
+        group ago has finished, so pages emptied before it can be unmapped; reserve, limit, snapshot."""
+        super().free_group_end()  # type: ignore[misc]
+        self._ledger.release_through(self._prev_epoch)
+        self._prev_epoch = self._ledger.epoch
+        self._ledger.maintain()
+
+    def verify_byte_accounting(self) -> list[str]:
+        """SGLang's idle-time diagnostic (runs on every idle scheduler pass): idle means no GPU work, so
+        every pending page may be released and the ledger's housekeeping (``kvctl`` limit and trim,
+        reserve, snapshot) runs; returns violations when the ledger's live blocks disagree with the
+        blocks this allocator holds, or the pool is inconsistent."""
+        self._ledger.release_through(self._ledger.epoch)
+        self._ledger.maintain()
+        held = self._held_blocks()
+        used = self._ledger.used_blocks
+        if held != used:
+            return [f"elastic KV ledger has {used} live blocks, the allocator holds {held}"]
+        return []
+
+    def _held_blocks(self) -> int:
         raise NotImplementedError
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
@@ -123,11 +158,15 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         """Free every slot and give every chunk but the padding one back to the ledger (unmapped there)."""
         super().clear()
         self._ledger.clear()
+        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
         # Chunk 0 is the ledger's null block: always backed, so its slots 1..chunk-1 are always usable.
         self._owned = torch.zeros(self._num_chunks, dtype=torch.bool, device=self.device)
         self._backed_tokens = int(self._cap_cpu[0])
         self.free_pages = torch.arange(1, 1 + self._backed_tokens, dtype=torch.int64, device=self.device)
         self._freed_since_check = 0
+
+    def _held_blocks(self) -> int:
+        return int(self._owned.sum())
 
     def available_size(self) -> int:
         """Logical free slots (backed or not): ``size`` minus the slots SGLang holds."""
@@ -155,17 +194,15 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing."""
         blocks: list[int] = []
         got = 0
-        try:
-            while got < tokens:
-                new = self._ledger.alloc(-(-(tokens - got) // self._chunk))
-                if not new:
-                    raise PoolExhausted("the ledger has no free block")
-                blocks.extend(new)
-                got += int(self._cap_cpu[new].sum())
-        except PoolExhausted:
-            if blocks:
-                self._ledger.free(blocks)
-            return False
+        while got < tokens:
+            # Chunks are equal but the last (short) one, so at most one extra round.
+            new = self._ledger.alloc(-(-(tokens - got) // self._chunk))
+            if new is None:
+                if blocks:
+                    self._ledger.free(blocks)
+                return False
+            blocks.extend(new)
+            got += int(self._cap_cpu[new].sum())
         ids = torch.tensor(blocks, dtype=torch.int64)
         slots = (ids[:, None] * self._chunk + torch.arange(self._chunk)).reshape(-1)
         slots = slots[slots <= self.size].to(self.device)
@@ -219,8 +256,12 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         """Free every page and give all of them back to the ledger."""
         super().clear()
         self._ledger.clear()
+        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
         self._owned_pages = 0
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _held_blocks(self) -> int:
+        return self._owned_pages
 
     def available_size(self) -> int:
         """Logical free slots: every page SGLang does not hold, backed or not."""
@@ -240,11 +281,8 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         short = num_pages - len(self.free_pages)
         if short <= 0:
             return True
-        try:
-            new = self._ledger.alloc(short)
-        except PoolExhausted:
-            return False
-        if not new:
+        new = self._ledger.alloc(short)
+        if new is None:
             return False
         self.free_pages = torch.cat(
             (self.free_pages, torch.tensor(new, dtype=torch.int64, device=self.device))

@@ -28,6 +28,7 @@ from elastic_kv.geometry import BlockFamily, BlockGeometry
 
 if TYPE_CHECKING:
     from elastic_kv.ledger import KVCacheManager
+    from elastic_kv.registry import PoolRecord
     from elastic_kv.snapshot import PoolSnapshot
     from sglang_elastic_kv.config import PluginConfig
 
@@ -44,10 +45,17 @@ class BufferSpec:
     nbytes: int
 
 
-def _backend_for(device: str | torch.device) -> Any:
+def _device_name(dev: torch.device) -> str:
+    """The registry's name for ``dev``: pools on one device share its budget."""
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return dev.type
+
+
+def _backend_for(dev: torch.device) -> Any:
     from elastic_kv import _vmm
 
-    dev = torch.device(device)
     if dev.type == "cpu":
         return _vmm.HostBackend()
     if dev.type == "cuda":
@@ -66,12 +74,14 @@ class ElasticBacking:
         geometry: BlockGeometry,
         group: Any,
         ledger: KVCacheManager,
+        record: PoolRecord | None,
         buffers: Sequence[BufferSpec],
     ) -> None:
         self.spaces = spaces
         self.geometry = geometry
         self.group = group
         self.ledger = ledger
+        self.record = record
         self.buffers = tuple(buffers)
         # One flat uint8 tensor per space (keeps the space alive); SGLang's buffers are views of these.
         self._flat = [torch.from_dlpack(space) for space in spaces]
@@ -96,8 +106,15 @@ class ElasticBacking:
         from elastic_kv import _vmm
         from elastic_kv.ledger import KVCacheManager
         from elastic_kv.mapper import LocalMapper
+        from elastic_kv.registry import PoolRecord
 
-        pool_config = config.pool_config()
+        dev = torch.device(device)
+        # On a GPU, SGLang may still run kernels over blocks freed this step (overlap scheduling): their
+        # pages wait for the allocators' epoch release. The host backend has no asynchronous work.
+        defaults = {} if dev.type == "cpu" or "ELASTIC_KV_DEFER_RELEASE" in config.pool_environ else {
+            "defer_release": True
+        }
+        pool_config = config.pool_config(**defaults)
         geometry = BlockGeometry(
             [b.nbytes for b in buffers],
             families,
@@ -105,12 +122,35 @@ class ElasticBacking:
             pool_config.page_size,
             max_page_slots=pool_config.max_page_slots,
         )
-        backend = _backend_for(device)
+        backend = _backend_for(dev)
         spaces = [_vmm.TensorSpace(backend, size, pool_config.page_size) for size in geometry.space_sizes]
         handles = _vmm.HandlePool(backend, pool_config.reserve_max_pages * geometry.page_bytes)
         group = _vmm.SpaceGroup(spaces, geometry.extent_tuples(), geometry.num_pages, handles)
-        ledger = KVCacheManager(geometry, LocalMapper(group), pool_config, name_hint=f"sglang-{label}")
-        return cls(spaces=spaces, geometry=geometry, group=group, ledger=ledger, buffers=buffers)
+        _, total = backend.mem_info()
+        record = PoolRecord.create(
+            pool_config.pool_name or "sglang",
+            device=_device_name(dev),
+            engine="sglang",
+            model=label,
+            limit_bytes=pool_config.limit_bytes,
+            registry_dir=pool_config.registry_dir,
+            device_total_bytes=total,
+            suffix_if_taken=pool_config.pool_name is None,
+        )
+        try:
+            ledger = KVCacheManager(
+                geometry,
+                LocalMapper(group),
+                pool_config,
+                record=record,
+                name=record.name,
+                null_block=0,
+                physical_free=lambda: int(backend.mem_info()[0]),
+            )
+        except BaseException:
+            record.close()
+            raise
+        return cls(spaces=spaces, geometry=geometry, group=group, ledger=ledger, record=record, buffers=buffers)
 
     def view(self, space: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` at byte ``offset`` of space ``space`` (contiguous, row-major)."""
@@ -126,6 +166,12 @@ class ElasticBacking:
     def snapshot(self) -> PoolSnapshot:
         """The ledger's statistics of this pool (physical bytes, used/free blocks, limit ...)."""
         return self.ledger.snapshot()
+
+    def close(self) -> None:
+        """Unmap every page and leave the registry; the pool's tensors must no longer be used."""
+        self.ledger.close()
+        if self.record is not None:
+            self.record.close()
 
     def describe(self) -> str:
         """One line for logs."""

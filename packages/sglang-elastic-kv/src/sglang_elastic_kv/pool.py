@@ -124,7 +124,7 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
         if k_shape == v_shape:
             padded = -(-rows // self.page_size) * self.page_size
             fused = [
-                self.elastic.view(2 * layer, 0, (2, padded, *k_shape[1:]), self.store_dtype)
+                self.elastic.view(layer, 0, (2, padded, *k_shape[1:]), self.store_dtype)
                 for layer in range(self.layer_num)
             ]
             self.k_buffer = [buf[0, :rows] for buf in fused]
