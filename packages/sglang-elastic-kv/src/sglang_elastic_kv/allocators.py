@@ -74,6 +74,19 @@ class ElasticAllocatorMixin:
 
     _ledger: Any
     _prev_epoch: int = 0
+    _asleep: bool = False
+
+    def elastic_sleep(self) -> None:
+        """The engine released its KV memory (``release_memory_occupation``) and is idle: unmap the
+        ledger's reserve and stop idle housekeeping from mapping it again until :meth:`elastic_wake`."""
+        self._asleep = True
+        self._ledger.release_through(self._ledger.epoch)
+        self._ledger.trim()
+        self._kvcache.elastic.publish()
+
+    def elastic_wake(self) -> None:
+        """The engine resumed its KV memory: blocks are mapped on demand again."""
+        self._asleep = False
 
     def elastic_available_size(self) -> int:
         """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
@@ -101,7 +114,8 @@ class ElasticAllocatorMixin:
         reserve, snapshot) runs; returns violations when the ledger's live blocks disagree with the
         blocks this allocator holds, or the pool is inconsistent."""
         self._ledger.release_through(self._ledger.epoch)
-        self._ledger.maintain()
+        if not self._asleep:
+            self._ledger.maintain()
         held = self._held_blocks()
         used = self._ledger.used_blocks
         if held != used:

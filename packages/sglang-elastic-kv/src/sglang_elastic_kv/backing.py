@@ -111,9 +111,11 @@ class ElasticBacking:
         dev = torch.device(device)
         # On a GPU, SGLang may still run kernels over blocks freed this step (overlap scheduling): their
         # pages wait for the allocators' epoch release. The host backend has no asynchronous work.
-        defaults = {} if dev.type == "cpu" or "ELASTIC_KV_DEFER_RELEASE" in config.pool_environ else {
-            "defer_release": True
-        }
+        defaults = (
+            {}
+            if dev.type == "cpu" or "ELASTIC_KV_DEFER_RELEASE" in config.pool_environ
+            else {"defer_release": True}
+        )
         pool_config = config.pool_config(**defaults)
         geometry = BlockGeometry(
             [b.nbytes for b in buffers],
@@ -150,7 +152,9 @@ class ElasticBacking:
         except BaseException:
             record.close()
             raise
-        return cls(spaces=spaces, geometry=geometry, group=group, ledger=ledger, record=record, buffers=buffers)
+        return cls(
+            spaces=spaces, geometry=geometry, group=group, ledger=ledger, record=record, buffers=buffers
+        )
 
     def view(self, space: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` at byte ``offset`` of space ``space`` (contiguous, row-major)."""
@@ -166,6 +170,11 @@ class ElasticBacking:
     def snapshot(self) -> PoolSnapshot:
         """The ledger's statistics of this pool (physical bytes, used/free blocks, limit ...)."""
         return self.ledger.snapshot()
+
+    def publish(self) -> None:
+        """Publish the ledger's statistics to the registry now (``kvctl``), outside its own schedule."""
+        if self.record is not None:
+            self.record.publish(self.ledger.snapshot())
 
     def close(self) -> None:
         """Unmap every page and leave the registry; the pool's tensors must no longer be used."""

@@ -44,6 +44,9 @@ class Seams:
     prepare_server_args: str
     # Radix-cache bound: where a request's KV row is handed to the prefix cache (any tree cache).
     release_kv_cache: str
+    # release_memory_occupation / resume_memory_occupation in the scheduler (sleep and wake the pool).
+    release_memory: str
+    resume_memory: str
     # Fails start-up inside the scheduler when the plugin cannot serve (a stable constructor).
     startup_guard: str
 
@@ -56,12 +59,15 @@ class Seams:
             self.add_cli_args,
             self.prepare_server_args,
             self.release_kv_cache,
+            self.release_memory,
+            self.resume_memory,
             self.startup_guard,
         )
 
 
 _PLATFORM = "sglang.srt.platforms.interface.SRTPlatform"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 
 SEAMS: tuple[Seams, ...] = (
     Seams(
@@ -73,6 +79,8 @@ SEAMS: tuple[Seams, ...] = (
         add_cli_args="sglang.srt.server_args.ServerArgs.add_cli_args",
         prepare_server_args="sglang.srt.server_args.prepare_server_args",
         release_kv_cache="sglang.srt.mem_cache.common.release_kv_cache",
+        release_memory=f"{_WEIGHT_UPDATER}.release_memory_occupation",
+        resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
         startup_guard="sglang.srt.mem_cache.memory_pool.KVCache.__init__",
     ),
 )

@@ -11,7 +11,10 @@
    as an SWA sub-allocator) is swapped for the elastic one over the same pool. Then the result is checked:
    an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or a
    non-elastic pool under it fails start-up with ConfigError.
-4. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
+4. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
+   release (``clear()`` returns every block); the hook also puts the pool to sleep, so that its idle
+   housekeeping does not map a reserve again until ``resume``.
+5. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
    KV row went to the prefix cache, evict the excess over the bound through the cache's own ``evict``
    (any tree cache: ``UnifiedRadixCache``, the engine default, and ``RadixCache`` alike).
 """
@@ -36,6 +39,8 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.kv_pool_cls, kv_pool_cls_after, hook_type.AFTER)
     registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
     registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
+    registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
+    registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
     if config.max_cached_tokens > 0:
         bound = functools.partial(bound_prefix_cache_after, config.max_cached_tokens)
         registry.register(seams.release_kv_cache, bound, hook_type.AFTER)
@@ -111,6 +116,36 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
         "elastic KV allocator: %s over %s", type(allocator).__name__, type(allocator.get_kvcache()).__name__
     )
     return allocator
+
+
+def _kv_tags(recv_req: Any) -> bool:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    tags = getattr(recv_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags  # None or empty = every tag, as SGLang reads it
+
+
+def _elastic_allocator(updater: Any) -> Any:
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+
+    scheduler = getattr(updater, "scheduler", None)
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    return allocator if isinstance(allocator, ElasticAllocatorMixin) else None
+
+
+def release_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
+    """After SGLang released the KV cache (its flush gave every block back): unmap the reserve too and
+    keep it unmapped until resume."""
+    allocator = _elastic_allocator(updater)
+    if allocator is not None and _kv_tags(recv_req):
+        allocator.elastic_sleep()
+
+
+def resume_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
+    """After SGLang resumed the KV cache: the pool maps on demand again (nothing to restore)."""
+    allocator = _elastic_allocator(updater)
+    if allocator is not None and _kv_tags(recv_req):
+        allocator.elastic_wake()
 
 
 def bound_prefix_cache_after(
