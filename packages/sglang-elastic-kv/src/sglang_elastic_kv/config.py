@@ -71,7 +71,7 @@ class PluginConfig:
         if backend not in BACKENDS:
             raise ConfigError(f"{BACKEND_ENV}={backend!r}: choose one of {', '.join(BACKENDS)}")
         return cls(
-            backend=backend,  # type: ignore[arg-type]  # checked against BACKENDS just above
+            backend=backend,  # checked against BACKENDS just above
             token_chunk=_int(environ, PREFIX + "TOKEN_CHUNK", 64, 1),
             max_cached_tokens=_int(environ, PREFIX + "MAX_CACHED_TOKENS", 0, 0),
             pool_environ={

@@ -112,9 +112,8 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
             f"{ElasticTokenToKVPoolAllocator.__name__}, {ElasticPagedTokenToKVPoolAllocator.__name__} "
             "over an MHA or MLA pool"
         )
-    logger.info(
-        "elastic KV allocator: %s over %s", type(allocator).__name__, type(allocator.get_kvcache()).__name__
-    )
+    kvcache: Any = allocator._kvcache
+    logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(kvcache).__name__)
     return allocator
 
 
