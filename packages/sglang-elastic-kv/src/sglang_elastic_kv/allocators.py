@@ -163,6 +163,9 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         cap[0] -= 1
         cap[-1] = (size + 1) - (self._num_chunks - 1) * chunk - (1 if self._num_chunks == 1 else 0)
         self._cap_cpu = cap
+        self._last_chunk = self._num_chunks - 1
+        self._chunk_offsets = torch.arange(chunk, dtype=torch.int64)
+        self._grow_step = kvcache.elastic.geometry.blocks_per_page
         self._cap = cap.to(device)
         super().__init__(size, dtype, device, kvcache, need_sort)
 
@@ -205,25 +208,41 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         return result
 
     def _grow(self, tokens: int) -> bool:
-        """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing."""
-        blocks: list[int] = []
-        got = 0
-        while got < tokens:
-            # Chunks are equal but the last (short) one, so at most one extra round.
-            new = self._ledger.alloc(-(-(tokens - got) // self._chunk))
+        """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing.
+
+        Asks for a whole logical page of chunks at a time when the ledger can back it (a page is mapped as
+        one unit anyway, so its other chunks cost no memory), which keeps ledger calls off most decode
+        steps; under pressure it asks for just what is missing.
+        """
+        need = -(-tokens // self._chunk)
+        new = self._ledger.alloc(self._grow_step) if self._grow_step > need else None
+        if new is None:
+            new = self._ledger.alloc(need)
             if new is None:
-                if blocks:
-                    self._ledger.free(blocks)
                 return False
-            blocks.extend(new)
-            got += int(self._cap_cpu[new].sum())
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        slots = (ids[:, None] * self._chunk + torch.arange(self._chunk)).reshape(-1)
-        slots = slots[slots <= self.size].to(self.device)
+        got = self._slots_in(new)
+        if got < tokens:  # the short last chunk was among them: one more round
+            more = self._ledger.alloc(-(-(tokens - got) // self._chunk))
+            if more is None:
+                self._ledger.free(new)
+                return False
+            new += more
+            got += self._slots_in(more)
+        ids = torch.tensor(new, dtype=torch.int64)
+        slots = (ids[:, None] * self._chunk + self._chunk_offsets).reshape(-1)
+        if self._last_chunk in new:
+            slots = slots[slots <= self.size]
+        slots = slots.to(self.device)
         self.free_pages = torch.cat((self.free_pages, slots))
         self._owned[ids.to(self.device)] = True
         self._backed_tokens += got
         return True
+
+    def _slots_in(self, chunks: list[int]) -> int:
+        got = len(chunks) * self._chunk
+        if self._last_chunk in chunks:
+            got -= self._chunk - int(self._cap_cpu[self._last_chunk])
+        return got
 
     def free(self, free_index: torch.Tensor) -> None:
         """SGLang's ``free``; then chunks whose slots are all free again go back to the ledger."""
