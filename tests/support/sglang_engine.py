@@ -10,6 +10,7 @@ The test talks to the driver over an inherited pipe: one request, one reply.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 from tests.support.models import REPO_ROOT
 
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
+LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
 
 # The engine settings of ../shared/RECIPES.md ("SGLang on the CPU") for a tiny model.
 CPU_ENGINE_KWARGS: dict[str, Any] = {
@@ -149,3 +151,27 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def plugin_installed() -> bool:
+    """True when the plugin's entry point is installed (SGLang loads plugins by entry point only)."""
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    return any(ep.value.startswith("sglang_elastic_kv.") for ep in eps)
+
+
+def start_engine(
+    name: str,
+    model_path: Path,
+    *,
+    backend: str,
+    env: Mapping[str, str] | None = None,
+    **engine_kwargs: Any,
+) -> EngineProcess:
+    """Start an SGLang CPU engine named ``name`` (its log: ``.cache/logs/sglang/<name>.log``).
+
+    ``backend`` is ``"native"`` or ``"elastic"`` (exported as ``ELASTIC_KV_SGLANG_BACKEND`` to the engine
+    only); ``env`` adds engine-only variables; ``engine_kwargs`` override :data:`CPU_ENGINE_KWARGS`.
+    """
+    kwargs = {**CPU_ENGINE_KWARGS, "max_total_tokens": 4096, **engine_kwargs}
+    full_env = {"ELASTIC_KV_SGLANG_BACKEND": backend, **(env or {})}
+    return EngineProcess(model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log")

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import plugin_installed
 from tests.support.models import REPO_ROOT
+from tests.support.sglang_engine import plugin_installed
 
 pytestmark = [
     pytest.mark.sglang,

@@ -19,8 +19,7 @@ import pytest
 
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot
-from tests.sglang.conftest import start_engine
-from tests.support.sglang_engine import EngineProcess
+from tests.support.sglang_engine import EngineProcess, start_engine
 
 pytestmark = pytest.mark.sglang
 

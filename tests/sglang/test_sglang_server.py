@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.sglang.conftest import LOG_DIR, plugin_installed
 from tests.support.models import REPO_ROOT
-from tests.support.sglang_engine import engine_environ
+from tests.support.sglang_engine import LOG_DIR, engine_environ, plugin_installed
 
 pytestmark = [
     pytest.mark.sglang,
