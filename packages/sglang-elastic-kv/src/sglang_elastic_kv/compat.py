@@ -9,9 +9,11 @@ target of the installed version's row, so a target that moves upstream fails lou
 paged allocator class (``get_paged_allocator_cls()``) on every platform, in-tree ones included; the
 one construction site they miss is page_size 1, which builds ``TokenToKVPoolAllocator`` directly
 (the configurator and the SWA allocator's sub-allocators), so the allocator builder is wrapped once.
-0.5.20 and 0.5.21 consult those platform hooks only for out-of-tree platforms and build
-``MHATokenToKVPool`` by name inside the configurator: serving them would mean patching the in-tree
-pool class itself, which this plugin does not do, so they get a clear start-up error.
+0.5.20 and 0.5.21 (both read) consult those platform hooks only for out-of-tree platforms and pick
+``MHATokenToKVPool`` by name inside a configurator method: serving them would mean hooking the in-tree
+pool's buffer creation for every instance of a class that has siblings, which this plugin does not do
+(no small, clean compat entry exists), so they get a clear start-up error. Before 0.5.12 SGLang has no
+plugin loader: the plugin never runs and ``--kv-cache-backend`` is an unknown argument.
 """
 
 from __future__ import annotations
