@@ -343,3 +343,25 @@ def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: t
             object(),
             token_to_kv_pool_allocator=None,
         )
+
+
+def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:
+    """The configurator's result is checked: a native allocator (a path that bypassed the seams) or the
+    page-major layout fails start-up. The configurator here is a stand-in: building SGLang's needs a model."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from sglang_elastic_kv.hooks import verify_configured_after
+
+    pool, alloc = token_setup
+    plain_cfg = SimpleNamespace(_page_major_enabled=lambda: False)
+    verify_configured_after(SimpleNamespace(token_to_kv_pool_allocator=alloc), plain_cfg)
+    native = TokenToKVPoolAllocator(512, torch.float32, "cpu", pool, False)
+    with pytest.raises(ConfigError, match="without the platform seams"):
+        verify_configured_after(SimpleNamespace(token_to_kv_pool_allocator=native), plain_cfg)
+    with pytest.raises(ConfigError, match="page-major"):
+        verify_configured_after(
+            SimpleNamespace(token_to_kv_pool_allocator=alloc),
+            SimpleNamespace(_page_major_enabled=lambda: True),
+        )

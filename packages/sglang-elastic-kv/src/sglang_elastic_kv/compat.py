@@ -41,6 +41,8 @@ class Seams:
     paged_allocator_cls: str
     # The allocator builder: page_size 1 builds TokenToKVPoolAllocator without asking the platform.
     allocator_builder: str
+    # The configurator's entry point: its result is checked (a path that bypassed the seams fails).
+    configure: str
     # Command line: --kv-cache-backend.
     add_cli_args: str
     prepare_server_args: str
@@ -58,6 +60,7 @@ class Seams:
             self.kv_pool_cls,
             self.paged_allocator_cls,
             self.allocator_builder,
+            self.configure,
             self.add_cli_args,
             self.prepare_server_args,
             self.release_kv_cache,
@@ -78,6 +81,7 @@ SEAMS: tuple[Seams, ...] = (
         kv_pool_cls=f"{_PLATFORM}.get_kv_pool_cls",
         paged_allocator_cls=f"{_PLATFORM}.get_paged_allocator_cls",
         allocator_builder=f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator",
+        configure=f"{_CONFIGURATOR}.configure",
         add_cli_args="sglang.srt.server_args.ServerArgs.add_cli_args",
         prepare_server_args="sglang.srt.server_args.prepare_server_args",
         release_kv_cache="sglang.srt.mem_cache.common.release_kv_cache",

@@ -11,10 +11,13 @@
    as an SWA sub-allocator) is swapped for the elastic one over the same pool. Then the result is checked:
    an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or a
    non-elastic pool under it fails start-up with ConfigError.
-4. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
+4. ``KVCacheConfigurator.configure`` (AFTER): the configured allocator must be elastic and the layout one
+   the elastic pool reproduces; a path that bypassed the seams (``--enable-unified-memory`` builds its
+   pools elsewhere) or asked for the page-major layout fails start-up instead of running native.
+5. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
    release (``clear()`` returns every block); the hook also puts the pool to sleep, so that its idle
    housekeeping does not map a reserve again until ``resume``.
-5. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
+6. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
    KV row went to the prefix cache, evict the excess over the bound through the cache's own ``evict``
    (any tree cache: ``UnifiedRadixCache``, the engine default, and ``RadixCache`` alike).
 """
@@ -39,6 +42,7 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.kv_pool_cls, kv_pool_cls_after, hook_type.AFTER)
     registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
     registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
+    registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
     registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
     registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
     if config.max_cached_tokens > 0:
@@ -115,6 +119,23 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
     kvcache: Any = allocator._kvcache
     logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(kvcache).__name__)
     return allocator
+
+
+def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs: Any) -> None:
+    """Refuse a configured KV cache that is not (entirely) elastic; see the module docstring."""
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+
+    if configurator._page_major_enabled():
+        raise ConfigError(
+            "--kv-cache-backend=elastic does not serve --enable-page-major-kv-layout (the elastic pool keeps "
+            "SGLang's per-layer layout)"
+        )
+    allocator = result.token_to_kv_pool_allocator
+    if not isinstance(allocator, ElasticAllocatorMixin):
+        raise ConfigError(
+            f"--kv-cache-backend=elastic: SGLang configured {type(allocator).__name__} without the platform "
+            "seams this plugin serves (e.g. --enable-unified-memory); use --kv-cache-backend=native"
+        )
 
 
 def _kv_tags(recv_req: Any) -> bool:
