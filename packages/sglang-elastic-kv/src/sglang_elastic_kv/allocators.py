@@ -27,6 +27,7 @@ memory vanished between the check and the allocation.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -70,11 +71,15 @@ class ElasticAllocatorMixin:
                 f"--kv-cache-backend=elastic needs an elastic KV pool under the allocator, got "
                 f"{type(kvcache).__name__}: this model's KV pool kind is not supported"
             )
+        if kvcache.plugin_config is not None:
+            self._maintain_interval_s = kvcache.plugin_config.maintain_interval_s
         return kvcache.elastic.ledger
 
     _ledger: Any
     _prev_epoch: int = 0
     _asleep: bool = False
+    _maintain_interval_s: float = 0.0
+    _maintained_at: float = float("-inf")
 
     def elastic_sleep(self) -> None:
         """The engine released its KV memory (``release_memory_occupation``) and is idle: unmap the
@@ -106,7 +111,12 @@ class ElasticAllocatorMixin:
         super().free_group_end()  # type: ignore[misc]
         self._ledger.release_through(self._prev_epoch)
         self._prev_epoch = self._ledger.epoch
-        self._ledger.maintain()
+        # Housekeeping costs tens of microseconds; a fast step (a small model on a CPU) need not pay it
+        # every time. Allocation never depends on it: the ledger maps synchronously when its reserve is dry.
+        now = time.monotonic()
+        if now - self._maintained_at >= self._maintain_interval_s:
+            self._maintained_at = now
+            self._ledger.maintain()
 
     def verify_byte_accounting(self) -> list[str]:
         """SGLang's idle-time diagnostic (runs on every idle scheduler pass): idle means no GPU work, so
@@ -355,12 +365,14 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> torch.Tensor | None:
-        """SGLang's ``alloc_decode`` after backing the pages that crossing requests start."""
-        if len(seq_lens) > len(self.free_pages):
+        """SGLang's ``alloc_decode``; when the backed free pages do not cover the requests that start a
+        page this step (SGLang answers None before touching anything), back them and ask again."""
+        result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        if result is None:
             needed = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
             if not self._ensure_pages(needed):
                 return None
-        result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            result = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         return result
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:

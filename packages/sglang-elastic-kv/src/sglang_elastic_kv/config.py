@@ -8,6 +8,8 @@ by an ``sglang.Engine(...)`` user travels in the environment, which every child 
     ELASTIC_KV_SGLANG_TOKEN_CHUNK      page_size 1 only: SGLang token slots per ledger block (default 64)
     ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS  radix-cache bound: tokens the prefix cache may keep once the
                                          requests that wrote them finished; 0 = no bound (default 0)
+    ELASTIC_KV_SGLANG_MAINTAIN_INTERVAL_S  least time between two runs of the ledger's housekeeping on
+                                         the scheduler's step path (default 0.01; 0 = every step)
 
 Every other ``ELASTIC_KV_*`` variable belongs to the pool itself (:class:`elastic_kv.config.ElasticConfig`,
 page size, limit, reserve ...); :meth:`PluginConfig.pool_config` hands exactly those over.
@@ -30,6 +32,19 @@ PREFIX = "ELASTIC_KV_SGLANG_"
 BACKEND_ENV = PREFIX + "BACKEND"
 Backend = Literal["native", "elastic"]
 BACKENDS: tuple[Backend, ...] = ("native", "elastic")
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    text = environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name}={value} must be a finite number >= 0")
+    return value
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -57,6 +72,7 @@ class PluginConfig:
     backend: Backend = "native"
     token_chunk: int = 64
     max_cached_tokens: int = 0
+    maintain_interval_s: float = 0.01
     pool_environ: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -74,6 +90,7 @@ class PluginConfig:
             backend=backend,  # checked against BACKENDS just above
             token_chunk=_int(environ, PREFIX + "TOKEN_CHUNK", 64, 1),
             max_cached_tokens=_int(environ, PREFIX + "MAX_CACHED_TOKENS", 0, 0),
+            maintain_interval_s=_seconds(environ, PREFIX + "MAINTAIN_INTERVAL_S", 0.01),
             pool_environ={
                 k: v for k, v in environ.items() if k.startswith("ELASTIC_KV_") and not k.startswith(PREFIX)
             },

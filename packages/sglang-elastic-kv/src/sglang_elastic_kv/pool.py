@@ -43,12 +43,14 @@ class ElasticKVPool:
     """Mixin: what the elastic allocators need from an elastic pool (``elastic`` and ``rows_per_block``)."""
 
     elastic: ElasticBacking | None = None
+    plugin_config: PluginConfig | None = None
     # Token slots one ledger block covers (the page size, or the token chunk at page_size 1).
     rows_per_block: int = 0
 
     def _elastic_setup(self, size: int, page_size: int) -> tuple[PluginConfig, int, int]:
         """Read the plugin config once and decide the block size; returns (config, rows, rows_per_block)."""
         config = PluginConfig.from_env(os.environ)
+        self.plugin_config = config
         rows = size + page_size
         rows_per_block = page_size if page_size > 1 else config.token_chunk
         self.rows_per_block = rows_per_block
