@@ -34,11 +34,10 @@ def _engine(backend: str, registry: str) -> EngineProcess:
         "ELASTIC_KV_SGLANG_BACKEND": backend,
         "ELASTIC_KV_PAGE_SIZE": str(64 << 10),
         "ELASTIC_KV_REGISTRY_DIR": registry,
-        # One compute thread each, and no busy idle loop: the engine waiting for its turn must not take
-        # the cores from the one being measured (and a 2-core machine is shared).
-        "OMP_NUM_THREADS": "1",
     }
-    kwargs = {**CPU_ENGINE_KWARGS, "page_size": 16, "max_total_tokens": 65536, "sleep_on_idle": True}
+    # CPU_ENGINE_KWARGS and the engine environment give one compute thread each and no busy idle loop:
+    # the engine waiting for its turn must not take the cores from the one being measured.
+    kwargs = {**CPU_ENGINE_KWARGS, "page_size": 16, "max_total_tokens": 65536}
     return EngineProcess(tiny_model(), kwargs, env=env, log_path=LOGS / f"bench-{backend}.log")
 
 

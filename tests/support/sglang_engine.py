@@ -34,6 +34,8 @@ CPU_ENGINE_KWARGS: dict[str, Any] = {
     "skip_tokenizer_init": True,
     "random_seed": 0,
     "log_level": "warning",
+    # No busy idle loop: a waiting engine must not take a core from the one being tested (2 cores).
+    "sleep_on_idle": True,
 }
 
 
@@ -43,6 +45,8 @@ def engine_environ(
     """The environment of an SGLang CPU engine process: ``base`` (default ``os.environ``) plus the CPU
     switches, the stand-in ``sgl_kernel`` first on ``PYTHONPATH``, and ``extra``."""
     env = dict(os.environ if base is None else base)
+    # One compute thread: torch's OpenMP pool oversubscribes 2 shared cores and spins (20x slower here).
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         SGLANG_NATIVE_MOVE_KV_CACHE="1",
