@@ -21,9 +21,7 @@ def cuda_available() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not cuda_available():
-        skip = pytest.mark.skip(
-            reason="no CUDA driver with VMM support here (run ci/gpu.sh on a GPU machine)"
-        )
+        skip = pytest.mark.skip(reason="no CUDA driver with VMM support here (run ci/gpu.sh on a GPU machine)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
