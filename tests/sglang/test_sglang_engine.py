@@ -256,3 +256,16 @@ def test_ps16_lowered_limit_retracts_not_crashes(
     finally:
         Registry(registry_dir).set_limit(name, 0)
     assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
+
+
+@pytest.mark.parametrize("name", ["elastic-ps1", "elastic-ps16"])
+def test_idle_leak_check_ran_and_passed(
+    name: str, elastic_ps1: EngineProcess, elastic_ps16: EngineProcess
+) -> None:
+    """SGLang's idle check (available + evictable + ... == total, and the allocator's own accounting via
+    verify_byte_accounting) runs on every idle scheduler pass and raises on a leak; it stayed on and quiet."""
+    eng = {"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name]
+    log = eng.log_path.read_text()
+    assert "memory leak detected" not in log
+    assert "Traceback" not in log
+    assert eng.call("get_server_info") is not None  # the scheduler is alive
