@@ -24,13 +24,14 @@ class PoolProcess:
         self.proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        ready = self._read()
+        ready = self.read_reply()
         assert ready.get("ready"), ready
         self.name: str = ready["name"]
         self.pid: int = ready["pid"]
         self.path = Path(ready["path"])
 
-    def _read(self) -> dict[str, Any]:
+    def read_reply(self) -> dict[str, Any]:
+        """The next JSON line the worker wrote (blocks until there is one)."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -44,7 +45,7 @@ class PoolProcess:
         assert self.proc.stdin is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        return self._read()
+        return self.read_reply()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` and reap the process."""

@@ -6,7 +6,7 @@ and then one JSON line per command:
     charge N | uncharge N | poll | state | observe OP SECONDS | publish USED TOTAL MAPPED HITS MISSES
     fork-sleeper            fork a child that inherits the record (and its lock) and sleeps
     follow STEP             background loop: poll, shrink to a lowered limit, charge STEP while it fits
-    hammer SEED ITERS MAX   random charges/uncharges of up to MAX bytes; answers when done
+    hammer SEED SECONDS MAX random charges/uncharges of up to MAX bytes for SECONDS; answers when done
     stop                    stop the follow loop and report what it saw
     close | exit            close the record / exit *without* closing it (atexit must clean up)
 """
@@ -61,10 +61,11 @@ class Follower:
             time.sleep(0.0005)
 
 
-def hammer(record: PoolRecord, seed: int, iterations: int, max_bytes: int) -> dict[str, int]:
+def hammer(record: PoolRecord, seed: int, seconds: float, max_bytes: int) -> dict[str, int]:
     rng = random.Random(seed)
     held = ok = refused = 0
-    for _ in range(iterations):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         if held and rng.random() < 0.45:
             n = rng.randint(1, held)
             record.uncharge(n)
@@ -144,7 +145,7 @@ def main() -> None:
                     reserve_misses=misses,
                     epoch=0,
                     timestamp=time.time(),
-                )  # fmt: skip
+                )
             )
             reply({"ok": True})
         elif cmd == "fork-sleeper":
@@ -164,7 +165,7 @@ def main() -> None:
             reply({"limit_events": follower.limit_events, "violations": follower.violations,
                    "charges": follower.charges, "charged": record.charged_bytes})  # fmt: skip
         elif cmd == "hammer":
-            reply(hammer(record, int(rest[0]), int(rest[1]), int(rest[2])))
+            reply(hammer(record, int(rest[0]), float(rest[1]), int(rest[2])))
         elif cmd == "close":
             record.close()
             reply({"ok": True})

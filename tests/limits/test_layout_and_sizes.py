@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
-
 from elastic_kv.registry_layout import (
     HISTOGRAM_BOUNDS,
     SNAPSHOT_INT_FIELDS,
@@ -45,13 +45,18 @@ def _fields(layout: type) -> list[tuple[str, int, int]]:
 def test_fields_fit_do_not_overlap_and_are_aligned(layout: type, size: int) -> None:
     fields = sorted(_fields(layout), key=lambda f: f[1])
     assert fields, "no fields found"
-    for (name, offset, length), (next_name, next_offset, _) in zip(fields, fields[1:], strict=False):
+    for (name, offset, length), (next_name, next_offset, _) in itertools.pairwise(fields):
         assert offset + length <= next_offset, f"{name} overlaps {next_name}"
     last_name, last_offset, last_length = fields[-1]
     assert last_offset + last_length <= size, f"{last_name} runs past the end"
     for name, offset, length in fields:
         if length in (2, 4, 8) and "magic" not in name:
             assert offset % length == 0, f"{name} is misaligned"
+
+
+def test_revisions_are_adjacent_for_poll() -> None:
+    """PoolRecord.poll reads limit_revision and trim_revision with one unpack."""
+    assert RecordLayout.trim_revision.offset == RecordLayout.limit_revision.offset + 8
 
 
 def test_device_layout_fits() -> None:
@@ -108,8 +113,8 @@ def test_histogram_quantiles_follow_buckets() -> None:
         ("1.5G", 3 << 29),
         ("1.5K", 1536),
         (".5M", 512 << 10),
-        ("2GB", 2 * 10**9),
-        ("100kb", 100_000),
+        ("2GB", 2 << 30),  # binary, as docker and ElasticConfig read it
+        ("100kb", 100 << 10),
         ("1T", 1 << 40),
         (" 64 MiB ", 64 << 20),
     ],
@@ -119,7 +124,7 @@ def test_parse_size_accepts(text: str, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "12X", "-5M", "M", "1.5", "1e9", "2 G B", "5%", "0x10", "1,5G", "2Gi B"]
+    "text", ["", "12X", "-5M", "M", "1.5", "0.1K", "1e9", "2 G B", "5%", "0x10", "1,5G", "2Gi B"]
 )
 def test_parse_size_rejects_with_a_message(text: str) -> None:
     with pytest.raises(ValueError, match="size"):

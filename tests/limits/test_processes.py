@@ -8,12 +8,14 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from elastic_kv.budget import DeviceBudget
 from elastic_kv.registry import PoolRecord
 from elastic_kv.registry_fs import file_lock_is_free
 from elastic_kv.registry_layout import RecordLayout
 from elastic_kv.registry_view import Registry
+
 from limits.helpers import PoolProcess, wait_until
 
 MiB = 1 << 20
@@ -182,7 +184,7 @@ def test_concurrent_charges_never_exceed_the_budget(
     workers = [spawn_pool(f"w{i}", limit=limit) for i, limit in enumerate(limits)]
     for i, worker in enumerate(workers):
         assert worker.proc.stdin is not None
-        worker.proc.stdin.write(f"hammer {i} 4000 {6 * MiB}\n")
+        worker.proc.stdin.write(f"hammer {i} 1.5 {6 * MiB}\n")
         worker.proc.stdin.flush()
     budget = DeviceBudget.open(registry_dir, "cuda:0", create=False)
     assert budget is not None
@@ -204,17 +206,17 @@ def test_concurrent_charges_never_exceed_the_budget(
             time.sleep(0.0002)
     finally:
         budget.close()
-    assert observations > 100
+    assert observations >= 20  # the monitor ran while they charged
     assert all("error" not in r for r in reports), reports
     assert sum(r["refused"] for r in reports) > 0  # the budget was actually in the way
     assert peak > budget_bytes // 2
     assert Registry(registry_dir).device("cuda:0").charged_bytes == sum(r["held"] for r in reports)
 
 
-def _ready_reports(workers: list[PoolProcess]) -> list[dict[str, object]] | None:
+def _ready_reports(workers: list[PoolProcess]) -> list[dict[str, Any]] | None:
     """Every worker's hammer report if all have answered, else None (never blocks on a busy worker)."""
-    streams = [w.proc.stdout for w in workers]
+    streams = [w.proc.stdout for w in workers if w.proc.stdout is not None]
     readable, _, _ = select.select(streams, [], [], 0)
-    if len(readable) < len(streams):
+    if len(readable) < len(workers):
         return None
-    return [w._read() for w in workers]
+    return [w.read_reply() for w in workers]

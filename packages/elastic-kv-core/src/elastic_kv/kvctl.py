@@ -8,7 +8,7 @@
     kvctl top [-n SEC] [--count N]      live table
     kvctl metrics [--port N]            Prometheus exposition once, or served on a port
 
-Sizes: 512M, 2GiB, 1.5G, 4096 (binary units; KB/MB/GB are decimal), or a percentage such as 25%.
+Sizes: 512M, 2GiB, 1.5G, 4096 (units are binary: 1G = 1GB = 1GiB), or a percentage such as 25%.
 """
 
 from __future__ import annotations

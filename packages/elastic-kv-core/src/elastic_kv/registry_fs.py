@@ -284,10 +284,19 @@ def pid_namespace() -> int:
 
 def process_start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks after boot; ``None`` if no such process or it is a zombie."""
+    # os.open/os.read rather than open(): a third of the cost, and this runs once per live pool whenever a
+    # charge is refused.
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except ProcessLookupError:  # the process exited between open and read
+        return None
+    finally:
+        os.close(fd)
+    if not data:
         return None
     # The command name (field 2) may contain spaces and parentheses; fields after it follow the last ')'.
     fields = data[data.rindex(b")") + 2 :].split()

@@ -266,4 +266,6 @@ class DeviceLayout:
     charges = _c.integers(SLOTS)
     slots_start = _c.align(64)
     SIZE = slots_start + SLOTS * SlotLayout.SIZE
+    # Every slot's token in one unpack (from slots_start): finding occupied slots is on the refusal path.
+    slot_tokens = struct.Struct("<" + f"Q{SlotLayout.SIZE - 8}x" * SLOTS)
     del _c

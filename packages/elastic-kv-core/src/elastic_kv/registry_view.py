@@ -351,7 +351,8 @@ class Registry:
         return out
 
     def pool(self, name: str) -> PoolInfo:
-        """The pool called ``name``; :class:`UnknownPoolError` if there is none."""
+        """The pool called ``name``: :class:`UnknownPoolError` if none, ``ValueError`` if malformed."""
+        check_pool_name(name)
         for info in self.pools():
             if info.name == name:
                 return info
@@ -378,6 +379,7 @@ class Registry:
 
     def device(self, device: str) -> DeviceInfo:
         """The budget of ``device``; :class:`UnknownDeviceError` if no pool or operator ever used it."""
+        check_device_name(device)
         for info in self.devices():
             if info.device == device:
                 return info

@@ -1,22 +1,23 @@
 """Byte sizes as operators write them (``512M``, ``2GiB``, ``1.5G``, ``30%``) and as ``kvctl`` prints them.
 
-Units: a bare letter or ``KiB``/``MiB``/``GiB``/``TiB`` is binary (``512M`` = 512 * 2**20, as ``docker`` and
-``kvcached``'s ``kvctl`` read it); ``KB``/``MB``/``GB``/``TB`` are decimal (10**3 ...). Case does not matter.
-A number without unit, or with ``B``, is bytes.
+Units are binary whichever way they are written -- ``512M`` = ``512MB`` = ``512MiB`` = 512 * 2**20 -- as
+``docker``, kvcached's ``kvctl`` and ``ElasticConfig``'s ``ELASTIC_KV_*`` sizes read them: an operator who
+types ``8GB`` for a GPU means what ``nvidia-smi`` shows, not 8 * 10**9. Case does not matter. A number
+without unit, or with ``B``, is bytes. The result must be a whole number of bytes.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 __all__ = ["Percent", "format_bytes", "parse_amount", "parse_size"]
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?)(b?)|(b?))\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])i?b?|b?)\s*", re.IGNORECASE)
 _PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*")
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-_SIZE_HELP = "use a number of bytes with an optional unit, e.g. 512M, 2GiB, 1.5G, 4096"
+_SIZE_HELP = "use a number of bytes with an optional binary unit, e.g. 512M, 2GiB, 1.5G, 4096"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,24 +34,16 @@ class Percent:
 def parse_size(text: str) -> int:
     """Bytes for ``text`` (see the module docstring); ``ValueError`` naming the problem otherwise.
 
-    Fractions are allowed with a unit and rounded down to whole bytes (``1.5K`` = 1536).
+    Fractions are allowed when they come to whole bytes (``1.5K`` = 1536, not ``0.1K``).
     """
     match = _SIZE.fullmatch(text)
     if match is None:
         raise ValueError(f"invalid size {text!r}: {_SIZE_HELP}")
-    number, letter, binary, byte_suffix, _ = match.groups()
-    try:
-        value = Decimal(number)
-    except InvalidOperation:  # the pattern admits only decimal numbers; kept for safety
-        raise ValueError(f"invalid size {text!r}: {_SIZE_HELP}") from None
-    if letter is None:
-        if value != value.to_integral_value():
-            raise ValueError(f"invalid size {text!r}: a number of bytes must be whole")
-        return int(value)
-    power = _POWERS[letter.lower()]
-    decimal_unit = bool(byte_suffix) and not binary
-    factor = 1000**power if decimal_unit else 1024**power
-    return int(value * factor)
+    number, letter = match.group(1), match.group(2)
+    value = Decimal(number) * (1 if letter is None else 1024 ** _POWERS[letter.lower()])
+    if value != value.to_integral_value():
+        raise ValueError(f"invalid size {text!r}: it is not a whole number of bytes")
+    return int(value)
 
 
 def parse_amount(text: str) -> int | Percent:
