@@ -10,9 +10,9 @@ import pkgutil
 from pathlib import Path
 
 import pytest
-
 from elastic_kv.errors import ConfigError
 from sglang_elastic_kv import compat
+
 from tests.support.models import REPO_ROOT
 
 pytestmark = pytest.mark.sglang

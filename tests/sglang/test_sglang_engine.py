@@ -16,9 +16,9 @@ from typing import Any
 
 import psutil
 import pytest
-
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot
+
 from tests.support.sglang_engine import EngineProcess, start_engine
 
 pytestmark = pytest.mark.sglang

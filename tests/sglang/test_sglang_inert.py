@@ -11,7 +11,6 @@ pytestmark = pytest.mark.sglang
 
 def test_register_adds_only_the_cli_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
-
     from sglang_elastic_kv import compat, plugin
 
     monkeypatch.delenv("ELASTIC_KV_SGLANG_BACKEND", raising=False)
@@ -33,9 +32,8 @@ def test_register_adds_only_the_cli_hooks(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_bad_setting_refuses_start_up_instead_of_running_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from elastic_kv.errors import ConfigError
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang_elastic_kv import compat, plugin
 
     monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from elastic_kv.errors import ConfigError
 
 pytestmark = pytest.mark.sglang
@@ -36,7 +35,6 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
 
 def _pools(size: int, page_size: int) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
     native = MHATokenToKVPool(size, page_size, torch.float32, H, D, LAYERS, "cpu", False)
@@ -99,7 +97,6 @@ def test_mha_refuses_post_capture_sizing(env: pytest.MonkeyPatch) -> None:
 
 def test_mla_pool_over_elastic_spaces(env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
     from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMLATokenToKVPool
 
@@ -308,7 +305,6 @@ def test_radix_bound_evicts_the_excess(paged_setup: tuple[Any, Any]) -> None:
 
 def test_platform_hooks_answer_elastic_classes_only_where_the_platform_has_none() -> None:
     from sglang.srt.platforms.cpu import CpuSRTPlatform
-
     from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import kv_pool_cls_after, paged_allocator_cls_after
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
@@ -325,7 +321,6 @@ def test_platform_hooks_answer_elastic_classes_only_where_the_platform_has_none(
 def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: tuple[Any, Any]) -> None:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
     from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import build_allocator_around
 
@@ -351,7 +346,6 @@ def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
     from sglang_elastic_kv.hooks import verify_configured_after
 
     pool, alloc = token_setup

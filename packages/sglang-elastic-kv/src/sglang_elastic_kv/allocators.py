@@ -31,13 +31,13 @@ import time
 from typing import Any
 
 import torch
+from elastic_kv.errors import ConfigError
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from elastic_kv.errors import ConfigError
 from sglang_elastic_kv.pool import ElasticKVPool
 
 __all__ = [
@@ -86,6 +86,7 @@ class ElasticAllocatorMixin:
         ledger's reserve and stop idle housekeeping from mapping it again until :meth:`elastic_wake`."""
         self._asleep = True
         self._ledger.release_through(self._ledger.epoch)
+        self._ledger.settle()  # background maps queued so far join the reserve, which trim then unmaps
         self._ledger.trim()
         self._kvcache.elastic.publish()
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry
 
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from elastic_kv.ledger import KVCacheManager
     from elastic_kv.registry import PoolRecord
     from elastic_kv.snapshot import PoolSnapshot
+
     from sglang_elastic_kv.config import PluginConfig
 
 __all__ = ["BufferSpec", "ElasticBacking"]

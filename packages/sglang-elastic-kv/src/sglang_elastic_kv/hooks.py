@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 from elastic_kv.errors import ConfigError
+
 from sglang_elastic_kv.compat import Seams
 from sglang_elastic_kv.config import PluginConfig
 

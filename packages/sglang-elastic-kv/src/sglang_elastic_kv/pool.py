@@ -27,10 +27,10 @@ import os
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
 from sglang_elastic_kv.backing import BufferSpec, ElasticBacking
 from sglang_elastic_kv.config import PluginConfig
 
