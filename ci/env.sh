@@ -37,6 +37,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         pydantic xgrammar gguf mistral_common apache-tvm-ffi==0.1.11 IPython dill einops psutil \
         setproctitle pybase64 prometheus-client python-multipart partial_json_parser nvidia-ml-py \
         soundfile scipy pillow zstandard distro "openai>=2.25.0" compressed-tensors==0.17.0
+    # SGLang imports torchvision at module level (multimodal utils). PyPI's 0.28.0 is a CUDA build whose
+    # _C cannot load beside torch 2.13.0+cpu; only two of its meta registrations are unguarded and fail
+    # at import, so guard them the way its own register_meta guards the others (ops absent -> skip).
+    pip_q -c "$constraints" --no-deps torchvision==0.28.0
+    python - <<'PY'
+import pathlib, re, sysconfig
+f = pathlib.Path(sysconfig.get_paths()["purelib"]) / "torchvision" / "_meta_registrations.py"
+src = f.read_text()
+new = re.sub(r'^@torch\.library\.register_fake\(("torchvision::\w+")\)$',
+             r'@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda fn: fn))',
+             src, flags=re.M)
+f.write_text(new)
+PY
     log "installing build and test tools"
     pip_q -c "$constraints" pybind11 scikit-build-core ninja cmake pytest pytest-benchmark pytest-timeout \
         hypothesis ruff mypy requests

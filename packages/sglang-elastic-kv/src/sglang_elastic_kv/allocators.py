@@ -1,0 +1,385 @@
+"""SGLang token allocators whose slots come from the elastic ledger.
+
+Both subclass SGLang's own allocators and keep their free lists, kernels and free-group handling; what
+changes is that the free list holds only slots that are *backed*, and that backing is taken from and
+returned to the ledger (:class:`elastic_kv.ledger.KVCacheManager`), which maps pages before it hands a
+block out. So every index SGLang receives points at backed memory.
+
+* :class:`ElasticPagedTokenToKVPoolAllocator` (page_size > 1): ledger block id = SGLang page id. Pages
+  are taken from the ledger right before an allocation needs them and given back as SGLang frees them.
+* :class:`ElasticTokenToKVPoolAllocator` (page_size 1): one ledger block per page would cost a ledger
+  call per token on the decode path, so a block is a chunk of ``rows_per_block`` token slots
+  (``ELASTIC_KV_SGLANG_TOKEN_CHUNK``). Allocation stays SGLang's slice of the free-slot tensor; a short
+  free list grows by whole chunks; a chunk goes back to the ledger once all its slots are free again
+  (checked after at least a chunk's worth of frees, by one ``bincount`` over the free list, which is
+  then sorted so that low, already backed chunks fill first and high ones drain).
+
+Capacity has two faces. ``available_size()`` stays *logical* (free slots whether backed or not), because
+SGLang's idle leak check requires ``available + evictable + ... == max_total_num_tokens``.
+:meth:`ElasticAllocatorMixin.elastic_available_size` is what can be backed *now* (free backed slots plus
+what the ledger can still map under its limit), and it is what the scheduler's capacity hooks see:
+``create_prefill_budget`` (admission), ``check_decode_capacity`` (retraction) and
+``evict_to_free_tokens`` (prefix-cache eviction). So physical pressure makes SGLang defer or retract, as
+it does when its own pool is full; ``alloc`` returning None (which SGLang treats as fatal) happens only if
+memory vanished between the check and the allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from elastic_kv.errors import ConfigError
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+from sglang.srt.utils import get_num_new_pages
+
+from sglang_elastic_kv.pool import ElasticKVPool
+
+__all__ = [
+    "ElasticAllocatorMixin",
+    "ElasticPagedTokenToKVPoolAllocator",
+    "ElasticPrefillBudget",
+    "ElasticTokenToKVPoolAllocator",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticPrefillBudget(PrefillBudget):
+    """SGLang's prefill budget with the allocator's *backable* headroom in place of its logical one."""
+
+    def _available_and_evictable(self) -> int:
+        # The parent adds the tree cache's evictable tokens to allocator.available_size(); swap the
+        # logical term for the physical one rather than re-deriving the evictable part.
+        logical: int = super()._available_and_evictable()
+        return logical - self.allocator.available_size() + self.allocator.elastic_available_size()
+
+
+class ElasticAllocatorMixin:
+    """Scheduler-facing capacity hooks shared by both elastic allocators (see the module docstring)."""
+
+    _kvcache: Any
+
+    def _ledger_of(self, kvcache: Any) -> Any:
+        if not isinstance(kvcache, ElasticKVPool) or kvcache.elastic is None:
+            raise ConfigError(
+                f"--kv-cache-backend=elastic needs an elastic KV pool under the allocator, got "
+                f"{type(kvcache).__name__}: this model's KV pool kind is not supported"
+            )
+        if kvcache.plugin_config is not None:
+            self._maintain_interval_s = kvcache.plugin_config.maintain_interval_s
+        return kvcache.elastic.ledger
+
+    _ledger: Any
+    _prev_epoch: int = 0
+    _asleep: bool = False
+    _maintain_interval_s: float = 0.0
+    _maintained_at: float = float("-inf")
+
+    def elastic_sleep(self) -> None:
+        """The engine released its KV memory (``release_memory_occupation``) and is idle: unmap the
+        ledger's reserve and stop idle housekeeping from mapping it again until :meth:`elastic_wake`."""
+        self._asleep = True
+        self._ledger.release_through(self._ledger.epoch)
+        self._ledger.settle()  # background maps queued so far join the reserve, which trim then unmaps
+        self._ledger.trim()
+        self._kvcache.elastic.publish()
+
+    def elastic_wake(self) -> None:
+        """The engine resumed its KV memory: blocks are mapped on demand again."""
+        self._asleep = False
+
+    def elastic_available_size(self) -> int:
+        """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
+        raise NotImplementedError
+
+    # -- once per engine step: SGLang opens a free group around every batch result it processes --------
+
+    def free_group_begin(self) -> None:
+        """SGLang's free group; a new release epoch: GPU work launched before now may still read blocks
+        freed in this group (overlap scheduling runs one batch ahead)."""
+        super().free_group_begin()  # type: ignore[misc]
+        self._ledger.advance_epoch()
+
+    def free_group_end(self) -> None:
+        """SGLang's frees, then the ledger's step housekeeping: the batch whose results were processed one
+        group ago has finished, so pages emptied before it can be unmapped; reserve, limit, snapshot."""
+        super().free_group_end()  # type: ignore[misc]
+        self._ledger.release_through(self._prev_epoch)
+        self._prev_epoch = self._ledger.epoch
+        # Housekeeping costs tens of microseconds; a fast step (a small model on a CPU) need not pay it
+        # every time. Allocation never depends on it: the ledger maps synchronously when its reserve is dry.
+        now = time.monotonic()
+        if now - self._maintained_at >= self._maintain_interval_s:
+            self._maintained_at = now
+            self._ledger.maintain()
+
+    def verify_byte_accounting(self) -> list[str]:
+        """SGLang's idle-time diagnostic (runs on every idle scheduler pass): idle means no GPU work, so
+        every pending page may be released and the ledger's housekeeping (``kvctl`` limit and trim,
+        reserve, snapshot) runs; returns violations when the ledger's live blocks disagree with the
+        blocks this allocator holds, or the pool is inconsistent."""
+        self._ledger.release_through(self._ledger.epoch)
+        if not self._asleep:
+            self._ledger.maintain()
+        held = self._held_blocks()
+        used = self._ledger.used_blocks
+        if held != used:
+            return [f"elastic KV ledger has {used} live blocks, the allocator holds {held}"]
+        return []
+
+    def _held_blocks(self) -> int:
+        raise NotImplementedError
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
+        """Admission budget over backable headroom (see :class:`ElasticPrefillBudget`)."""
+        return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """Evict unlocked prefix-cache entries until ``num_tokens`` can be backed, or nothing is left.
+
+        Uses the cache's plain ``evict``: its allocation-driven variant measures the shortfall against the
+        allocator's logical size, which an elastic pool may satisfy while its memory is short.
+        """
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return None
+        shortfall = num_tokens - self.elastic_available_size()
+        if shortfall > 0:
+            tree_cache.evict(EvictParams(num_tokens=shortfall))
+        return None
+
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
+        """Whether the next decode step's ``num_tokens`` can be backed after eviction; False -> retract."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.elastic_available_size() >= num_tokens
+
+
+class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
+    """``TokenToKVPoolAllocator`` (page_size 1) over ledger blocks of ``rows_per_block`` token slots."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
+        self._ledger = self._ledger_of(kvcache)
+        chunk = int(kvcache.rows_per_block)
+        self._chunk = chunk
+        self._num_chunks = -(-(size + 1) // chunk)
+        # Slots a chunk contributes: slot 0 (padding) is never handed out; the last chunk may be short.
+        cap = torch.full((self._num_chunks,), chunk, dtype=torch.int64)
+        cap[0] -= 1
+        cap[-1] = (size + 1) - (self._num_chunks - 1) * chunk - (1 if self._num_chunks == 1 else 0)
+        self._cap_cpu = cap
+        self._last_chunk = self._num_chunks - 1
+        self._chunk_offsets = torch.arange(chunk, dtype=torch.int64)
+        self._grow_step = kvcache.elastic.geometry.blocks_per_page
+        self._cap = cap.to(device)
+        super().__init__(size, dtype, device, kvcache, need_sort)
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Free every slot and give every chunk but the padding one back to the ledger (unmapped there)."""
+        super().clear()
+        self._ledger.clear()
+        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
+        # Chunk 0 is the ledger's null block: always backed, so its slots 1..chunk-1 are always usable.
+        self._owned = torch.zeros(self._num_chunks, dtype=torch.bool, device=self.device)
+        self._backed_tokens = int(self._cap_cpu[0])
+        self.free_pages = torch.arange(1, 1 + self._backed_tokens, dtype=torch.int64, device=self.device)
+        self._freed_since_check = 0
+
+    def _held_blocks(self) -> int:
+        return int(self._owned.sum())
+
+    def available_size(self) -> int:
+        """Logical free slots (backed or not): ``size`` minus the slots SGLang holds."""
+        held = self._backed_tokens - len(self.free_pages) - len(self.release_pages)
+        return self.size - held
+
+    def elastic_available_size(self) -> int:
+        """Free backed slots plus the slots of every block the ledger can still back now."""
+        backed_free = len(self.free_pages) + len(self.release_pages)
+        return min(self.available_size(), backed_free + self._ledger.available_size() * self._chunk)
+
+    # -- allocation ---------------------------------------------------------------------------------
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """SGLang's ``alloc``; a free list shorter than ``need_size`` first grows by whole backed chunks."""
+        if need_size > len(self.free_pages):
+            self.merge_and_sort_free()
+            short = need_size - len(self.free_pages)
+            if short > 0 and not self._grow(short):
+                return None
+        result: torch.Tensor | None = super().alloc(need_size)
+        return result
+
+    def _grow(self, tokens: int) -> bool:
+        """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing.
+
+        Asks for a whole logical page of chunks at a time when the ledger can back it (a page is mapped as
+        one unit anyway, so its other chunks cost no memory), which keeps ledger calls off most decode
+        steps; under pressure it asks for just what is missing.
+        """
+        need = -(-tokens // self._chunk)
+        new = self._ledger.alloc(self._grow_step) if self._grow_step > need else None
+        if new is None:
+            new = self._ledger.alloc(need)
+            if new is None:
+                return False
+        got = self._slots_in(new)
+        if got < tokens:  # the short last chunk was among them: one more round
+            more = self._ledger.alloc(-(-(tokens - got) // self._chunk))
+            if more is None:
+                self._ledger.free(new)
+                return False
+            new += more
+            got += self._slots_in(more)
+        ids = torch.tensor(new, dtype=torch.int64)
+        slots = (ids[:, None] * self._chunk + self._chunk_offsets).reshape(-1)
+        if self._last_chunk in new:
+            slots = slots[slots <= self.size]
+        slots = slots.to(self.device)
+        self.free_pages = torch.cat((self.free_pages, slots))
+        self._owned[ids.to(self.device)] = True
+        self._backed_tokens += got
+        return True
+
+    def _slots_in(self, chunks: list[int]) -> int:
+        got = len(chunks) * self._chunk
+        if self._last_chunk in chunks:
+            got -= self._chunk - int(self._cap_cpu[self._last_chunk])
+        return got
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """SGLang's ``free``; then chunks whose slots are all free again go back to the ledger."""
+        super().free(free_index)
+        if self.free_group is None and free_index.numel() > 0:
+            self._freed_since_check += free_index.numel()
+            if self._freed_since_check >= self._chunk:
+                self._release_empty_chunks()
+
+    def _release_empty_chunks(self) -> None:
+        self._freed_since_check = 0
+        self.merge_and_sort_free()
+        free = self.free_pages
+        owner = free // self._chunk
+        counts = torch.bincount(owner, minlength=self._num_chunks)
+        empty = (counts == self._cap) & self._owned
+        chunks = empty.nonzero().flatten()
+        if chunks.numel() == 0:
+            return
+        # Low slots first: backed chunks fill densely, high ones drain and can be returned.
+        self.free_pages = torch.sort(free[~empty[owner]]).values
+        self._owned[chunks] = False
+        released = chunks.tolist()
+        self._backed_tokens -= int(self._cap_cpu[released].sum())
+        self._ledger.free(released)
+
+
+class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
+    """``PagedTokenToKVPoolAllocator`` whose page ids are ledger blocks (block id = SGLang page id)."""
+
+    def __init__(
+        self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
+        self._ledger = self._ledger_of(kvcache)
+        if int(kvcache.rows_per_block) != page_size:
+            raise ConfigError(
+                f"elastic paged allocator: the pool's blocks hold {kvcache.rows_per_block} slots, "
+                f"the allocator's pages {page_size} (DCP-widened pages are not supported)"
+            )
+        self._owned_pages = 0
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    def clear(self) -> None:
+        """Free every page and give all of them back to the ledger."""
+        super().clear()
+        self._ledger.clear()
+        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
+        self._owned_pages = 0
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _held_blocks(self) -> int:
+        return self._owned_pages
+
+    def available_size(self) -> int:
+        """Logical free slots: every page SGLang does not hold, backed or not."""
+        held = self._owned_pages - len(self.free_pages) - self.num_staged_pages
+        return (self.num_pages - held) * self.page_size
+
+    def elastic_available_size(self) -> int:
+        """Free backed pages plus the pages the ledger can still back now, in slots."""
+        backable = len(self.free_pages) + self.num_staged_pages + self._ledger.available_size()
+        return min(self.available_size(), backable * self.page_size)
+
+    def _ensure_pages(self, num_pages: int) -> bool:
+        """Make ``free_pages`` hold at least ``num_pages`` backed pages (ledger blocks); all or nothing."""
+        if num_pages <= len(self.free_pages):
+            return True
+        self.merge_and_sort_free()
+        short = num_pages - len(self.free_pages)
+        if short <= 0:
+            return True
+        new = self._ledger.alloc(short)
+        if new is None:
+            return False
+        self.free_pages = torch.cat(
+            (self.free_pages, torch.tensor(new, dtype=torch.int64, device=self.device))
+        )
+        self._owned_pages += len(new)
+        return True
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """SGLang's page-aligned ``alloc`` after backing the pages it will take."""
+        if not self._ensure_pages(need_size // self.page_size):
+            return None
+        result: torch.Tensor | None = super().alloc(need_size)
+        return result
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
+        """SGLang's ``alloc_extend`` after backing exactly the new pages it needs (counted on the CPU)."""
+        if num_new_pages is None:
+            num_new_pages = get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
+        if not self._ensure_pages(num_new_pages):
+            return None
+        result: torch.Tensor | None = super().alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
+        )
+        return result
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        """SGLang's ``alloc_decode``; when the backed free pages do not cover the requests that start a
+        page this step (SGLang answers None before touching anything), back them and ask again."""
+        result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        if result is None:
+            needed = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+            if not self._ensure_pages(needed):
+                return None
+            result = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        return result
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        # Every page SGLang frees goes straight back to the ledger, which keeps a mapped reserve of its
+        # own; nothing is staged here, so need_sort (PD) ordering is the ledger's.
+        ids = torch.cat(page_ids).tolist() if len(page_ids) > 1 else page_ids[0].tolist()
+        if ids:
+            self._ledger.free(ids)
+            self._owned_pages -= len(ids)

@@ -1,0 +1,183 @@
+"""The memory hooks of an enabled plugin (one ``install`` per process, targets from the compat table).
+
+1. ``SRTPlatform.get_kv_pool_cls`` (AFTER): where the platform has no opinion (every in-tree platform,
+   CPU and CUDA included, inherits this method), answer the elastic MHA / MLA pool class. Hooking the
+   base class leaves platform selection alone, which a platform plugin (``sglang.srt.platforms``)
+   would take over; an out-of-tree platform with its own pool class is refused, not overridden.
+2. ``SRTPlatform.get_paged_allocator_cls`` (AFTER): the same for the paged allocator (page_size > 1,
+   also inside the SWA allocator).
+3. ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (AROUND): page_size 1 builds
+   ``TokenToKVPoolAllocator`` without asking the platform; the plain allocator SGLang built (standalone or
+   as an SWA sub-allocator) is swapped for the elastic one over the same pool. Then the result is checked:
+   an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or a
+   non-elastic pool under it fails start-up with ConfigError.
+4. ``KVCacheConfigurator.configure`` (AFTER): the configured allocator must be elastic and the layout one
+   the elastic pool reproduces; a path that bypassed the seams (``--enable-unified-memory`` builds its
+   pools elsewhere) or asked for the page-major layout fails start-up instead of running native.
+5. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
+   release (``clear()`` returns every block); the hook also puts the pool to sleep, so that its idle
+   housekeeping does not map a reserve again until ``resume``.
+6. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
+   KV row went to the prefix cache, evict the excess over the bound through the cache's own ``evict``
+   (any tree cache: ``UnifiedRadixCache``, the engine default, and ``RadixCache`` alike).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from elastic_kv.errors import ConfigError
+
+from sglang_elastic_kv.compat import Seams
+from sglang_elastic_kv.config import PluginConfig
+
+__all__ = ["install"]
+
+logger = logging.getLogger(__name__)
+
+
+def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -> None:
+    """Register the memory hooks of ``seams`` with SGLang's ``HookRegistry`` (applied by SGLang)."""
+    registry.register(seams.kv_pool_cls, kv_pool_cls_after, hook_type.AFTER)
+    registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
+    registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
+    registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
+    registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
+    registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
+    if config.max_cached_tokens > 0:
+        bound = functools.partial(bound_prefix_cache_after, config.max_cached_tokens)
+        registry.register(seams.release_kv_cache, bound, hook_type.AFTER)
+
+
+def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:
+    """The elastic pool class for ``kind`` where the platform answered None (in-tree class)."""
+    kind = kind if kind is not None else (args[0] if args else None)
+    from sglang_elastic_kv.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
+
+    elastic: dict[str, type] = {"mha": ElasticMHATokenToKVPool, "mla": ElasticMLATokenToKVPool}
+    if kind not in elastic:
+        # SGLang resolves every kind up front; a DSA pool that is actually built is refused by the
+        # allocator check below, with the model named.
+        return result
+    if result is not None and not issubclass(result, elastic[kind]):
+        raise ConfigError(
+            f"platform {type(platform).__name__} supplies its own {kind} KV pool ({result.__name__}); "
+            "--kv-cache-backend=elastic cannot combine with it"
+        )
+    return elastic[kind]
+
+
+def paged_allocator_cls_after(result: type | None, platform: Any, *args: Any, **kwargs: Any) -> type:
+    """The elastic paged allocator where the platform answered None."""
+    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+
+    if result is not None and not issubclass(result, ElasticPagedTokenToKVPoolAllocator):
+        raise ConfigError(
+            f"platform {type(platform).__name__} supplies its own paged allocator ({result.__name__}); "
+            "--kv-cache-backend=elastic cannot combine with it"
+        )
+    return ElasticPagedTokenToKVPoolAllocator
+
+
+def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    """Build SGLang's allocator, make its page_size-1 parts elastic, and refuse what is not served."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from sglang_elastic_kv.allocators import (
+        ElasticAllocatorMixin,
+        ElasticPagedTokenToKVPoolAllocator,
+        ElasticTokenToKVPoolAllocator,
+    )
+
+    reused = kwargs.get("token_to_kv_pool_allocator") is not None  # a draft worker shares the target's
+    allocator = original(configurator, *args, **kwargs)
+    if reused:
+        return allocator
+
+    def elastic(sub: Any) -> Any:
+        if type(sub) is TokenToKVPoolAllocator:
+            return ElasticTokenToKVPoolAllocator(
+                sub.size, sub.dtype, sub.device, sub.get_kvcache(), sub.need_sort
+            )
+        return sub
+
+    if type(allocator) is SWATokenToKVPoolAllocator:
+        raise ConfigError(
+            "--kv-cache-backend=elastic does not serve hybrid sliding-window (SWA) models yet: SGLang's SWA "
+            "allocator budgets the scheduler with its sub-pools' logical sizes only"
+        )
+    allocator = elastic(allocator)
+    if not isinstance(allocator, ElasticAllocatorMixin):
+        raise ConfigError(
+            f"--kv-cache-backend=elastic does not serve SGLang's {type(allocator).__name__} "
+            f"(KV pool {type(allocator.get_kvcache()).__name__}); supported: "
+            f"{ElasticTokenToKVPoolAllocator.__name__}, {ElasticPagedTokenToKVPoolAllocator.__name__} "
+            "over an MHA or MLA pool"
+        )
+    kvcache: Any = allocator._kvcache
+    logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(kvcache).__name__)
+    return allocator
+
+
+def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs: Any) -> None:
+    """Refuse a configured KV cache that is not (entirely) elastic; see the module docstring."""
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+
+    if configurator._page_major_enabled():
+        raise ConfigError(
+            "--kv-cache-backend=elastic does not serve --enable-page-major-kv-layout (the elastic pool keeps "
+            "SGLang's per-layer layout)"
+        )
+    allocator = result.token_to_kv_pool_allocator
+    if not isinstance(allocator, ElasticAllocatorMixin):
+        raise ConfigError(
+            f"--kv-cache-backend=elastic: SGLang configured {type(allocator).__name__} without the platform "
+            "seams this plugin serves (e.g. --enable-unified-memory); use --kv-cache-backend=native"
+        )
+
+
+def _kv_tags(recv_req: Any) -> bool:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    tags = getattr(recv_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags  # None or empty = every tag, as SGLang reads it
+
+
+def _elastic_allocator(updater: Any) -> Any:
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+
+    scheduler = getattr(updater, "scheduler", None)
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    return allocator if isinstance(allocator, ElasticAllocatorMixin) else None
+
+
+def release_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
+    """After SGLang released the KV cache (its flush gave every block back): unmap the reserve too and
+    keep it unmapped until resume."""
+    allocator = _elastic_allocator(updater)
+    if allocator is not None and _kv_tags(recv_req):
+        allocator.elastic_sleep()
+
+
+def resume_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
+    """After SGLang resumed the KV cache: the pool maps on demand again (nothing to restore)."""
+    allocator = _elastic_allocator(updater)
+    if allocator is not None and _kv_tags(recv_req):
+        allocator.elastic_wake()
+
+
+def bound_prefix_cache_after(
+    max_cached_tokens: int, result: Any, req: Any, tree_cache: Any, *a: Any, **k: Any
+) -> None:
+    """After a release, evict what the prefix cache holds beyond ``max_cached_tokens`` (LRU first)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return None
+    excess = int(tree_cache.evictable_size()) - max_cached_tokens
+    if excess > 0:
+        tree_cache.evict(EvictParams(num_tokens=excess))
+    return None

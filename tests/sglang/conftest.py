@@ -1,0 +1,25 @@
+"""Fixtures of the SGLang plugin tests.
+
+Engine tests (marker ``sglang``) share one engine per module: each module builds its engines with
+:func:`tests.support.sglang_engine.start_engine` in a module-scoped fixture. An engine runs in its own
+driver process with the SGLang CPU environment (see :mod:`tests.support.sglang_engine`); this pytest
+process never imports sglang with that environment, so in-process unit tests see a plain SGLang import.
+Engine tests are skipped when the plugin is not installed (SGLang finds plugins by entry point only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.models import tiny_model
+from tests.support.sglang_engine import plugin_installed
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """The tiny offline Llama (random weights, tokenizer) of tests/support/models.py."""
+    if not plugin_installed():
+        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+    return tiny_model()

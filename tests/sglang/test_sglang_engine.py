@@ -1,0 +1,271 @@
+"""A real SGLang CPU engine with ``--kv-cache-backend=elastic`` (via the environment, as Engine users do):
+greedy outputs equal the native engine's token for token (page_size 1 and 16, radix cache on, and under a
+physical limit small enough to force retraction), and the pool's memory follows the load.
+
+Engines (one at a time, ~2 GB each): native at page_size 1 and 16 give the reference tokens and are closed;
+then one elastic engine per page size serves every test of its page size.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from elastic_kv.registry_view import Registry
+from elastic_kv.snapshot import PoolSnapshot
+
+from tests.support.sglang_engine import EngineProcess, start_engine
+
+pytestmark = pytest.mark.sglang
+
+MAX_TOTAL_TOKENS = 65536  # 64 MiB of KV for the tiny model: large enough to see in RSS
+SLOT = 64 << 10  # data-plane page size for the tests (the host backend's granularity is 4 KiB)
+SMALL = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
+# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens.
+HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
+HEAVY_NEW = 96
+BOUND = 256  # ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS of the page_size 16 engine
+
+
+def _engine_kwargs(page_size: int) -> dict[str, Any]:
+    return {"page_size": page_size, "max_total_tokens": MAX_TOTAL_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
+    """Native outputs at page_size 1 and 16 (the plugin installed, not enabled), and at page_size 1 with
+    SGLang's plugin loader told to skip the plugin (``SGLANG_PLUGINS`` is its allow-list of names)."""
+    out: dict[Any, dict[str, list[list[int]]]] = {}
+    with start_engine(
+        "native-skipped",
+        tiny_model_path,
+        backend="native",
+        env={"SGLANG_PLUGINS": "none"},
+        **_engine_kwargs(1),
+    ) as eng:
+        out["skipped"] = {"small": eng.generate(SMALL, max_new_tokens=24)}
+    for ps in (1, 16):
+        with start_engine(f"native-ps{ps}", tiny_model_path, backend="native", **_engine_kwargs(ps)) as eng:
+            out[ps] = {
+                "small": eng.generate(SMALL, max_new_tokens=24),
+                "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
+            }
+            eng.call("flush_cache")
+            out[ps]["rss"] = [_scheduler_rss(eng)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("registry")
+    path.chmod(0o700)
+    return path
+
+
+def _elastic(name: str, model: Path, registry_dir: Path, ps: int, **env: str) -> EngineProcess:
+    return start_engine(
+        name,
+        model,
+        backend="elastic",
+        env={
+            "ELASTIC_KV_PAGE_SIZE": str(SLOT),
+            "ELASTIC_KV_REGISTRY_DIR": str(registry_dir),
+            "ELASTIC_KV_POOL_NAME": name,
+            "ELASTIC_KV_PUBLISH_INTERVAL_S": "0",
+            **env,
+        },
+        **_engine_kwargs(ps),
+    )
+
+
+@pytest.fixture(scope="module")
+def elastic_ps1(
+    tiny_model_path: Path, registry_dir: Path, reference: dict[int, Any]
+) -> Iterator[EngineProcess]:
+    with _elastic("elastic-ps1", tiny_model_path, registry_dir, 1) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def elastic_ps16(
+    tiny_model_path: Path, registry_dir: Path, reference: dict[int, Any], elastic_ps1: EngineProcess
+) -> Iterator[EngineProcess]:
+    # Depends on elastic_ps1 only to order the module's engines; it closes after this one.
+    with _elastic(
+        "elastic-ps16", tiny_model_path, registry_dir, 16, ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS=str(BOUND)
+    ) as eng:
+        yield eng
+
+
+def _snapshot(registry_dir: Path, name: str, *, timeout_s: float = 30.0) -> PoolSnapshot:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = Registry(registry_dir).pool(name).snapshot
+        if snap is not None or time.monotonic() > deadline:
+            assert snap is not None, f"pool {name} never published a snapshot"
+            return snap
+        time.sleep(0.05)
+
+
+def _settled(registry_dir: Path, name: str, pred: Any, timeout_s: float = 30.0) -> PoolSnapshot:
+    """The pool's snapshot once ``pred(snapshot)`` holds (the idle scheduler publishes on its own)."""
+    deadline = time.monotonic() + timeout_s
+    snap = _snapshot(registry_dir, name)
+    while not pred(snap) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        snap = _snapshot(registry_dir, name)
+    return snap
+
+
+def _scheduler_rss(eng: EngineProcess) -> int:
+    procs = [psutil.Process(pid) for pid in eng.call("__children__")]
+    return max(p.memory_info().rss for p in procs if p.is_running())
+
+
+def test_installed_but_not_enabled_changes_nothing(reference: dict[Any, Any]) -> None:
+    assert reference[1]["small"] == reference["skipped"]["small"]
+
+
+# -- page_size 1 ----------------------------------------------------------------------------------------
+
+
+def test_ps1_pool_is_elastic_and_starts_small(elastic_ps1: EngineProcess, registry_dir: Path) -> None:
+    info = Registry(registry_dir).pool("elastic-ps1")
+    assert info.engine == "sglang"
+    snap = _snapshot(registry_dir, "elastic-ps1")
+    assert snap.used_blocks == 0
+    # Only the null page and the reserve are backed: far below the 64 MiB a native pool holds.
+    assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
+    assert snap.mapped_bytes < 4 << 20
+
+
+def test_ps1_outputs_equal_native(elastic_ps1: EngineProcess, reference: dict[int, Any]) -> None:
+    assert elastic_ps1.generate(SMALL, max_new_tokens=24) == reference[1]["small"]
+    # Again: now with prefix-cache hits on the same prompts (radix cache on).
+    assert elastic_ps1.generate(SMALL, max_new_tokens=24) == reference[1]["small"]
+
+
+def test_ps1_memory_follows_load(
+    elastic_ps1: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    name = "elastic-ps1"
+    elastic_ps1.call("flush_cache")
+    idle = _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+    peak: list[int] = [idle.mapped_bytes]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            snap = Registry(registry_dir).pool(name).snapshot
+            if snap is not None:
+                peak.append(snap.mapped_bytes)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = elastic_ps1.generate(HEAVY, max_new_tokens=HEAVY_NEW)
+    finally:
+        done.set()
+        watcher.join()
+    assert out == reference[1]["heavy"]
+    # 8 x 144 tokens x 2 layers x (K + V) x 256 B = 1.1 MiB of live KV at the peak.
+    assert max(peak) >= idle.mapped_bytes + (1 << 20), (idle, max(peak))
+    # The prefix cache keeps the batch (no bound here); flushing it returns the memory.
+    elastic_ps1.call("flush_cache")
+    after = _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+    assert after.used_blocks == 0
+    assert after.mapped_bytes <= idle.mapped_bytes
+
+
+def test_ps1_flush_and_release_return_memory(elastic_ps1: EngineProcess, registry_dir: Path) -> None:
+    name = "elastic-ps1"
+    elastic_ps1.generate(SMALL, max_new_tokens=24)
+    elastic_ps1.call("flush_cache")
+    snap = _settled(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    assert snap.used_blocks == 0
+    elastic_ps1.generate(SMALL, max_new_tokens=24)
+    elastic_ps1.call("release_memory_occupation", tags=["kv_cache"])
+    snap = _settled(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    assert snap.used_blocks == 0 and snap.reserve_pages == 0
+    assert snap.mapped_bytes <= snap.page_bytes  # the null page only
+    elastic_ps1.call("resume_memory_occupation", tags=["kv_cache"])
+    assert len(elastic_ps1.generate(SMALL, max_new_tokens=8)[0]) == 8
+
+
+# -- page_size 16 ---------------------------------------------------------------------------------------
+
+
+def test_ps16_outputs_equal_native(elastic_ps16: EngineProcess, reference: dict[int, Any]) -> None:
+    assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
+    assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
+
+
+def test_ps16_radix_bound(elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]) -> None:
+    """After each request, the prefix cache keeps at most BOUND tokens: the rest is evicted through
+    SGLang's own cache (UnifiedRadixCache, the engine default) and its pages return to the ledger."""
+    assert elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW) == reference[16]["heavy"]
+    snap = _settled(registry_dir, "elastic-ps16", lambda s: s.used_blocks * 16 <= BOUND)
+    assert snap.used_blocks * 16 <= BOUND, snap
+
+
+def test_ps16_idle_rss_below_native(elastic_ps16: EngineProcess, reference: dict[Any, Any]) -> None:
+    """Process RSS: after the same work and a flush, the elastic scheduler does not hold the 64 MiB of KV
+    that the native one (same model, same settings) keeps touched."""
+    elastic_ps16.generate(SMALL, max_new_tokens=24)
+    elastic_ps16.call("flush_cache")
+    time.sleep(0.5)
+    rss = _scheduler_rss(elastic_ps16)
+    native = reference[16]["rss"][0]
+    kv_bytes = MAX_TOTAL_TOKENS * 2 * 2 * 256  # tokens x layers x (K, V) x row bytes
+    print(f"idle scheduler RSS: native {native / 2**20:.0f} MiB, elastic {rss / 2**20:.0f} MiB")
+    assert rss < native - kv_bytes // 2
+
+
+def test_ps16_lowered_limit_retracts_not_crashes(
+    elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    """kvctl lowers the pool's limit below what a running batch uses: SGLang retracts requests (and later
+    re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones."""
+    name = "elastic-ps16"
+    elastic_ps16.call("flush_cache")
+    page_bytes = _settled(registry_dir, name, lambda s: s.used_blocks == 0).page_bytes
+    result: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: result.append(elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)), daemon=True
+    )
+    worker.start()
+    try:
+        # Once the batch holds more than two pages' worth of blocks, leave it room for two pages.
+        _settled(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
+        Registry(registry_dir).set_limit(name, 3 * page_bytes)
+        worker.join(timeout=600)
+        assert result and result[0] == reference[16]["heavy"]
+        log = elastic_ps16.log_path.read_text()
+        assert "KV cache pool is full. Retract requests." in log
+        assert "Out of memory" not in log
+        assert (
+            _settled(registry_dir, name, lambda s: s.mapped_bytes <= 3 * page_bytes).mapped_bytes
+            <= 3 * page_bytes
+        )
+    finally:
+        Registry(registry_dir).set_limit(name, 0)
+    assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
+
+
+@pytest.mark.parametrize("name", ["elastic-ps1", "elastic-ps16"])
+def test_idle_leak_check_ran_and_passed(
+    name: str, elastic_ps1: EngineProcess, elastic_ps16: EngineProcess
+) -> None:
+    """SGLang's idle check (available + evictable + ... == total, and the allocator's own accounting via
+    verify_byte_accounting) runs on every idle scheduler pass and raises on a leak; it stayed on and quiet."""
+    eng = {"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name]
+    log = eng.log_path.read_text()
+    assert "memory leak detected" not in log
+    assert "Traceback" not in log
+    assert eng.call("get_server_info") is not None  # the scheduler is alive

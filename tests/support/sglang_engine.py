@@ -1,0 +1,181 @@
+"""A real ``sglang.Engine`` on the CPU, in its own process, for engine tests and benchmarks.
+
+SGLang's CPU engine needs process-wide settings (``SGLANG_USE_CPU_ENGINE=1`` before sglang is imported,
+the pure-torch ``sgl_kernel`` stand-in on ``PYTHONPATH``, ``SGLANG_NATIVE_MOVE_KV_CACHE=1``). Setting them
+in the pytest process would leak into every other test (in-process unit tests must see a plain SGLang
+import), so each engine runs in a driver process (:mod:`tests.support.sglang_driver`) started with that
+environment; the driver is the engine's main process and its schedulers inherit the environment.
+The test talks to the driver over an inherited pipe: one request, one reply.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from tests.support.models import REPO_ROOT
+
+STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
+LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
+
+# The engine settings of ../shared/RECIPES.md ("SGLang on the CPU") for a tiny model.
+CPU_ENGINE_KWARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "disable_cuda_graph": True,
+    "dtype": "float32",
+    "skip_tokenizer_init": True,
+    "random_seed": 0,
+    "log_level": "warning",
+    # No busy idle loop: a waiting engine must not take a core from the one being tested (2 cores).
+    "sleep_on_idle": True,
+}
+
+
+def engine_environ(
+    extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of an SGLang CPU engine process: ``base`` (default ``os.environ``) plus the CPU
+    switches, the stand-in ``sgl_kernel`` first on ``PYTHONPATH``, and ``extra``."""
+    env = dict(os.environ if base is None else base)
+    # One compute thread: torch's OpenMP pool oversubscribes 2 shared cores and spins (20x slower here).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_NATIVE_MOVE_KV_CACHE="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    path = [str(STAND_IN), str(REPO_ROOT)]
+    if env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra or {})
+    return env
+
+
+class EngineProcess:
+    """One ``sglang.Engine(model_path=..., **kwargs)`` in a driver process; call :meth:`call` for its methods.
+
+    ``env`` adds variables for the engine only (e.g. ``ELASTIC_KV_SGLANG_BACKEND=elastic``). The engine's
+    log goes to ``log_path``. Start-up failures raise ``RuntimeError`` with the log's tail.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        engine_kwargs: Mapping[str, Any],
+        *,
+        env: Mapping[str, str] | None = None,
+        log_path: Path,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")  # noqa: SIM115 -- lives as long as the engine
+        # A pipe whose child end the driver inherits by descriptor: no port, and EOF when it dies.
+        self._conn: Connection | None
+        self._conn, child = Pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.sglang_driver", str(child.fileno())],
+            cwd=REPO_ROOT,
+            env=engine_environ(env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=[child.fileno()],
+        )
+        child.close()
+        try:
+            self._conn.send({"model_path": str(model_path), **dict(engine_kwargs)})
+            if not self._conn.poll(start_timeout_s):
+                raise TimeoutError(f"engine did not start in {start_timeout_s} s")
+            reply = self._conn.recv()
+        except (OSError, EOFError, TimeoutError) as exc:
+            self.close()
+            raise RuntimeError(f"engine failed to start: {exc!r}\n{self.log_tail()}") from exc
+        if not reply.get("ok"):
+            self.close()
+            raise RuntimeError(f"engine failed to start: {reply.get('error')}\n{self.log_tail()}")
+        self.child_pids: list[int] = reply["child_pids"]
+        self.pid = self._proc.pid
+
+    def call(self, method: str, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> Any:
+        """Call ``engine.<method>(*args, **kwargs)`` in the driver; re-raise its error as ``RuntimeError``."""
+        if self._conn is None:
+            raise RuntimeError("engine is closed")
+        self._conn.send({"method": method, "args": args, "kwargs": kwargs})
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{method} did not answer in {timeout_s} s\n{self.log_tail()}")
+        reply = self._conn.recv()
+        if not reply.get("ok"):
+            raise RuntimeError(f"{method} failed: {reply.get('error')}\n--- log tail ---\n{self.log_tail()}")
+        return reply.get("result")
+
+    def generate(self, input_ids: list[list[int]], **sampling: Any) -> list[list[int]]:
+        """Greedy (unless ``sampling`` says otherwise) generation; the output token ids of each prompt."""
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True, **sampling}
+        outs = self.call("generate", input_ids=input_ids, sampling_params=params)
+        return [list(o["output_ids"]) for o in outs]
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the engine log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        """Shut the engine down (politely, then by force) and release the socket."""
+        if self._conn is not None:
+            try:
+                self._conn.send({"method": "__shutdown__", "args": (), "kwargs": {}})
+                self._conn.poll(60)
+            except (OSError, EOFError):
+                pass
+            self._conn.close()
+            self._conn = None
+        if self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plugin_installed() -> bool:
+    """True when the plugin's entry point is installed (SGLang loads plugins by entry point only)."""
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    return any(ep.value.startswith("sglang_elastic_kv.") for ep in eps)
+
+
+def start_engine(
+    name: str,
+    model_path: Path,
+    *,
+    backend: str,
+    env: Mapping[str, str] | None = None,
+    **engine_kwargs: Any,
+) -> EngineProcess:
+    """Start an SGLang CPU engine named ``name`` (its log: ``.cache/logs/sglang/<name>.log``).
+
+    ``backend`` is ``"native"`` or ``"elastic"`` (exported as ``ELASTIC_KV_SGLANG_BACKEND`` to the engine
+    only); ``env`` adds engine-only variables; ``engine_kwargs`` override :data:`CPU_ENGINE_KWARGS`.
+    """
+    kwargs = {**CPU_ENGINE_KWARGS, "max_total_tokens": 4096, **engine_kwargs}
+    full_env = {"ELASTIC_KV_SGLANG_BACKEND": backend, **(env or {})}
+    return EngineProcess(model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log")
