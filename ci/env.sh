@@ -48,6 +48,8 @@ src = f.read_text()
 new = re.sub(r'^@torch\.library\.register_fake\(("torchvision::\w+")\)$',
              r'@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda fn: fn))',
              src, flags=re.M)
+if new == src and "_has_ops() else" not in src:
+    raise SystemExit(f"torchvision guard: no unguarded register_fake found in {f}; check the recipe")
 f.write_text(new)
 PY
     log "installing build and test tools"
