@@ -40,14 +40,7 @@ from elastic_kv.ranks import (
 )
 from elastic_kv.ranks.messages import MessageError, Op, Reply, Request, peek_prefix
 
-try:
-    from elastic_kv import _vmm
-
-    REAL_VMM = True
-except ImportError:  # TEMPORARY until the data plane is merged on this branch
-    import _memvmm as _vmm  # type: ignore[no-redef]
-
-    REAL_VMM = False
+from elastic_kv import _vmm
 
 DIE_EXIT_CODE = 17
 BUSY_WAIT_S = 0.5  # how long a MAP of a retiring page waits for its epoch
@@ -152,10 +145,14 @@ class RankNode:
         consistency-error state); return (live handles after, live handles before the pool existed)."""
         self.rank.remove_pool(pool)
         p = self.pools.pop(pool)
+        p.group.close()
         backend, empty = p.backend, p.empty
         del p
         gc.collect()
         return int(backend.live_handles), empty
+
+    def failed_releases(self, pool: int) -> int:
+        return int(self.pools[pool].handle_pool.failed_releases)
 
     def map_local(self, pool: int, pages: list[int]) -> None:
         self.pools[pool].group.map(pages)
@@ -327,7 +324,9 @@ class Cluster:
         return t
 
     def coordinator(self, pool: int, *, timeout: float = 2.0, retries: int = 3) -> Coordinator:
-        return Coordinator(self.transport(), pool=pool, timeout=timeout, retries=retries, handshake_timeout=30)
+        return Coordinator(
+            self.transport(), pool=pool, timeout=timeout, retries=retries, handshake_timeout=30
+        )
 
     def _rpc_call(self, payload: bytes, timeout: float) -> Sequence[bytes]:
         """All-or-nothing broadcast over pipes, with collective_rpc's semantics."""
@@ -363,7 +362,9 @@ class Cluster:
             if ranks is not None and r not in ranks:
                 continue
             expected = baselines[r] + per_page[r] * len(pages)
-            assert live == expected, f"rank {r}: {live} live handles, expected {expected} for {len(pages)} pages"
+            assert live == expected, (
+                f"rank {r}: {live} live handles, expected {expected} for {len(pages)} pages"
+            )
 
     def assert_agree(self, pool: int, pages: Sequence[int] | None = None) -> tuple[int, ...]:
         """Every living rank is consistent and maps the same pages (``pages`` if given); no leaks."""

@@ -5,9 +5,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 from elastic_kv.ranks.messages import (
     PROTOCOL_VERSION,
     Code,
@@ -23,6 +20,8 @@ from elastic_kv.ranks.messages import (
     encode_request,
     peek_prefix,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 u64 = st.integers(0, 2**64 - 1)
 pages = st.lists(st.integers(0, 2**32 - 1), max_size=300).map(tuple)

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from ranks_harness import Cluster, RankNode
-
 from elastic_kv.errors import ConfigError, StateConsistencyError
 from elastic_kv.ranks import SocketListener, SocketTransport, new_instance_name, socket_dir, socket_path
 from elastic_kv.ranks.messages import NO_EPOCH, Op
+from ranks_harness import Cluster, RankNode
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +90,9 @@ def test_close_wakes_a_call_blocked_on_the_epoch_fence(cluster: Cluster, pool: i
     drained, _ = cluster.ctl(0, "close_listener", 5.0)
     assert drained and time.monotonic() - start < 2.0  # woken, not waited out
     t.join(5)
-    assert isinstance(result[0], StateConsistencyError)  # rank 0 answered BUSY, then was gone for the rollback
+    assert isinstance(
+        result[0], StateConsistencyError
+    )  # rank 0 answered BUSY, then was gone for the rollback
     _restart(cluster, 0)
 
 

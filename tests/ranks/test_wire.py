@@ -8,8 +8,6 @@ import socket
 import struct
 
 import pytest
-from ranks_harness import Cluster
-
 from elastic_kv.ranks.messages import (
     PROTOCOL_VERSION,
     Code,
@@ -21,11 +19,14 @@ from elastic_kv.ranks.messages import (
     encode_request,
 )
 from elastic_kv.ranks.transport import NoReply, Outcome
+from ranks_harness import Cluster
 
 _ids = itertools.count(1_000_000)
 
 
-def _send(cluster: Cluster, transport: object, pool: int, op: Op, tx: int, pages: tuple[int, ...] = ()) -> Code:
+def _send(
+    cluster: Cluster, transport: object, pool: int, op: Op, tx: int, pages: tuple[int, ...] = ()
+) -> Code:
     """Broadcast one raw request; every rank must answer the same; return the code (NONE when done)."""
     outcomes: list[Outcome] = transport.broadcast(Request(op, next(_ids), pool, tx, pages), 5.0)  # type: ignore[attr-defined]
     assert all(isinstance(o, Reply) for o in outcomes), outcomes
@@ -126,7 +127,9 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize(("name", "data", "code"), MALFORMED, ids=[m[0] for m in MALFORMED])
-def test_malformed_requests_get_an_error_reply(cluster: Cluster, pool: int, name: str, data: bytes, code: Code) -> None:
+def test_malformed_requests_get_an_error_reply(
+    cluster: Cluster, pool: int, name: str, data: bytes, code: Code
+) -> None:
     outcomes = _raw_round_trip(cluster, data)
     for o in outcomes:
         assert isinstance(o, Reply) and o.status is Status.ERROR and o.code is code, (name, o)

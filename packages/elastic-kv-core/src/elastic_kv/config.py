@@ -17,6 +17,7 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
     ELASTIC_KV_LIMIT              physical limit of the pool, e.g. 8G; 0 = no limit of its own (0)
     ELASTIC_KV_MIN_FREE           device memory never taken by growth, e.g. 1G (0)
     ELASTIC_KV_FREE_MEMORY_TTL_S  seconds a driver free-memory reading stays valid (0.05)
+    ELASTIC_KV_PUBLISH_INTERVAL_S seconds between two snapshots published to the shared record (0.1)
     ELASTIC_KV_REGISTRY_DIR       directory of the shared pool records (default: the registry's own)
     ELASTIC_KV_POOL_NAME          name of the pool's shared record (default: chosen by the engine plugin)
 """
@@ -82,6 +83,7 @@ class ElasticConfig:
     limit_bytes: int = 0
     min_free_bytes: int = 0
     free_memory_ttl_s: float = 0.05
+    publish_interval_s: float = 0.1
     registry_dir: Path | None = None
     pool_name: str | None = None
 
@@ -107,8 +109,10 @@ class ElasticConfig:
         for name in ("limit_bytes", "min_free_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if not (self.free_memory_ttl_s >= 0 and math.isfinite(self.free_memory_ttl_s)):
-            raise ConfigError(f"free_memory_ttl_s={self.free_memory_ttl_s} must be a finite number >= 0")
+        for name in ("free_memory_ttl_s", "publish_interval_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value} must be a finite number >= 0")
         if self.pool_name is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", self.pool_name):
             raise ConfigError(
                 f"pool_name={self.pool_name!r}: use 1-64 characters from letters, digits and _.:- "
@@ -134,6 +138,7 @@ class ElasticConfig:
             "LIMIT": ("limit_bytes", parse_size),
             "MIN_FREE": ("min_free_bytes", parse_size),
             "FREE_MEMORY_TTL_S": ("free_memory_ttl_s", float),
+            "PUBLISH_INTERVAL_S": ("publish_interval_s", float),
             "REGISTRY_DIR": ("registry_dir", Path),
             "POOL_NAME": ("pool_name", str),
         }

@@ -15,7 +15,7 @@ and leave state unchanged.
 
 from __future__ import annotations
 
-__all__ = ["ElasticKVError", "PoolExhausted", "StateConsistencyError", "ConfigError"]
+__all__ = ["ConfigError", "ElasticKVError", "PoolExhausted", "StateConsistencyError"]
 
 
 class ElasticKVError(Exception):

@@ -1,15 +1,15 @@
 """Coordinator side of the ranks protocol: a ``PageMapper`` over every rank of every pipeline stage.
 
-The coordinator lives where the decisions are made (the engine's scheduler) and drives the ranks (the processes
-that own device memory) through a :class:`~elastic_kv.ranks.transport.Transport`:
+The coordinator lives where the decisions are made (the engine's scheduler) and drives the ranks (the
+processes that own device memory) through a :class:`~elastic_kv.ranks.transport.Transport`:
 
 * ``map(pages)``: MAP to every rank. Success only when every rank mapped. Otherwise ROLLBACK to every rank
   (ranks that mapped unmap the pages, ranks that failed or never saw the MAP record a tombstone) and raise the
   ranks' error; the pool is unchanged everywhere.
 * ``unmap(pages, epoch)``: PREPARE to every rank (unmap, keep the handles; queued on a rank until device work
-  through ``epoch`` finished there), then COMMIT (release). If any PREPARE fails, ABORT everywhere (restore) and
-  raise. An ambiguous COMMIT (a rank timed out) is retried -- now, and before every later call -- and never
-  turned into an ABORT: once every rank has prepared, the unmap has happened.
+  through ``epoch`` finished there), then COMMIT (release). If any PREPARE fails, ABORT everywhere (restore)
+  and raise. An ambiguous COMMIT (a rank timed out) is retried -- now, and before every later call -- and
+  never turned into an ABORT: once every rank has prepared, the unmap has happened.
 
 A rank that is gone, reports its pool inconsistent, or answers in a way the protocol does not allow, and a
 rollback or abort that cannot be confirmed on every rank, put the coordinator in the consistency-error state:
@@ -17,8 +17,9 @@ the ranks' mappings may differ, so every later call raises :class:`StateConsiste
 pool is never allowed to diverge silently.
 
 Errors raised after a clean rollback (the pool is unchanged on every rank): ``PoolExhausted`` (a rank had no
-memory, or a page was still retiring behind its epoch), ``ValueError`` (bad pages), ``TimeoutError`` (a rank did
-not answer in time; the rollback reached every rank).
+memory, or a page was still retiring behind its epoch), ``ValueError`` (bad pages), ``TimeoutError`` (a rank
+did not answer in time; the rollback reached every rank), ``elastic_kv._vmm.BackendError`` (a driver call
+failed on a rank for a reason other than memory, as ``LocalMapper`` would raise it).
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.ranks.messages import NO_EPOCH, Code, Op, RankInfo, Reply, Request
 from elastic_kv.ranks.transport import NoReply, Outcome, Transport
 
+try:
+    from elastic_kv._vmm import BackendError
+except ImportError:  # a coordinator-only install: the same meaning, the base type
+    BackendError = RuntimeError  # type: ignore[assignment,misc]
+
 __all__ = ["Coordinator", "RankStatus"]
 
 logger = logging.getLogger(__name__)
 
 # Error codes after which the rank's state is known to be unchanged.
-_CLEAN_CODES = frozenset({Code.BAD_ARGUMENT, Code.EXHAUSTED, Code.BUSY, Code.SHUTTING_DOWN})
+_CLEAN_CODES = frozenset({Code.BAD_ARGUMENT, Code.EXHAUSTED, Code.BUSY, Code.BACKEND, Code.SHUTTING_DOWN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +298,8 @@ class Coordinator:
             raise PoolExhausted(f"{what} failed, rolled back on every rank: {detail}")
         if Code.BAD_ARGUMENT in codes:
             raise ValueError(f"{what} failed, rolled back on every rank: {detail}")
+        if Code.BACKEND in codes:
+            raise BackendError(f"{what} failed, rolled back on every rank: {detail}")
         raise TimeoutError(f"{what} failed, rolled back on every rank: {detail}")
 
     def _commit(self, tx: int) -> None:

@@ -14,9 +14,9 @@ in one of two ways, both cheap:
   non-blocking ``query()``, e.g. a ``torch.cuda.Event`` recorded on the step's stream after its last kernel.
   Waiting for epoch E then waits for exactly that event, never for the whole device.
 
-An unmap tagged with epoch E is applied once ``reached(E)``. Invariant: ``finished`` only grows, and a recorded
-completion for epoch E must cover all device work of epochs <= E (record it after the step's last kernel on the
-stream that the step's other streams join), so completions are consulted oldest first.
+An unmap tagged with epoch E is applied once ``reached(E)``. Invariant: ``finished`` only grows, and a
+recorded completion for epoch E must cover all device work of epochs <= E (record it after the step's last
+kernel on the stream that the step's other streams join), so completions are consulted oldest first.
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ class EpochFence:
 
     @property
     def finished(self) -> int:
-        """Highest epoch known to be finished (0: none)."""
-        with self._cond:
-            return self._finished
+        """Highest epoch known to be finished (0: none). Lock-free: one int read, and the value only grows."""
+        return self._finished
 
     def finish(self, epoch: int) -> None:
         """Declare that device work of every epoch <= ``epoch`` has finished. Lower values are ignored."""

@@ -6,19 +6,19 @@ there is at most one *in-flight call*. Coordinator side, :class:`SocketTransport
 per rank (kvcached opened a connection per message); a broadcast writes the request to every rank first, then
 gathers the replies with one selector, so the ranks work in parallel.
 
-Safety (kvcached's sockets live in ``/tmp`` with the default umask and unpickle what they read): the directory is
-per user, created ``0700`` and refused if it is anyone else's or open to others; sockets are ``0600``; both ends
-check the peer's uid (``SO_PEERCRED``); a message is parsed, never executed; names carry an engine-instance
-token so that two engines of one user never meet.
+Safety (kvcached's sockets live in ``/tmp`` with the default umask and unpickle what they read): the
+directory is per user, created ``0700`` and refused if it is anyone else's or open to others; sockets are
+``0600``; both ends check the peer's uid (``SO_PEERCRED``); a message is parsed, never executed; names carry
+an engine-instance token so that two engines of one user never meet.
 
 Framing: a ``u32`` little-endian length, then one message. A frame that is too long cannot be resynchronised:
 the listener answers MALFORMED and closes that connection, keeping the others and itself alive.
 
-Shutdown (:meth:`SocketListener.close`): stop accepting (new connects are refused at once), wake a call blocked
-on the rank's epoch fence, let the in-flight call finish and send its reply, answer SHUTTING_DOWN to requests
-already received, close every connection (waking the coordinator's pending calls with EOF), then remove the
-socket file. If the in-flight call does not finish in bounded time, ``close`` logs it, keeps the file and
-returns False; calling ``close`` again finishes the job.
+Shutdown (:meth:`SocketListener.close`): stop accepting (new connects are refused at once), wake a call
+blocked on the rank's epoch fence, let the in-flight call finish and send its reply, answer SHUTTING_DOWN to
+requests already received, close every connection (waking the coordinator's pending calls with EOF), then
+remove the socket file. If the in-flight call does not finish in bounded time, ``close`` logs it, keeps the
+file and returns False; calling ``close`` again finishes the job.
 """
 
 from __future__ import annotations
@@ -201,10 +201,8 @@ class SocketListener:
                 return True
             if not self._stopping.is_set():
                 self._stopping.set()
-                try:
+                with contextlib.suppress(OSError):
                     self._lsock.shutdown(socket.SHUT_RDWR)  # refuse new connects now, from any thread
-                except OSError:
-                    pass
                 self.rank.interrupt()
                 with contextlib.suppress(OSError):
                     self._wake_w.send(b"x")

@@ -16,8 +16,8 @@ version can always be answered with an error naming the version it speaks::
     reply    rank u32 | status u8 | code u8 | pool u16 | flags u16 | n_pages u32 | msg_len u32
              | [info: RankInfo, when flags & HAS_INFO] | pages u32[n_pages] | message utf-8[msg_len]
 
-``kind`` is the :class:`Op` of a request, or ``REPLY_KIND`` for a reply. Every decoder checks the exact length,
-so a truncated or padded message is rejected as :class:`MessageError` rather than half-read.
+``kind`` is the :class:`Op` of a request, or ``REPLY_KIND`` for a reply. Every decoder checks the exact
+length, so a truncated or padded message is rejected as :class:`MessageError` rather than half-read.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class Code(enum.IntEnum):
     BUSY = 10  # a page is still retiring behind an epoch that did not finish in time
     INTERNAL = 11  # an unexpected exception; the message carries it
     SHUTTING_DOWN = 12  # the listener is draining and takes no new calls
+    BACKEND = 13  # a driver call failed (not memory); the data plane rolled it back: nothing changed
 
 
 @dataclass(frozen=True, slots=True)

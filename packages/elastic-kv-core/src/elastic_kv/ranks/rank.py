@@ -36,7 +36,7 @@ import enum
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +55,11 @@ from elastic_kv.ranks.messages import (
     encode_reply,
     peek_prefix,
 )
+
+try:
+    from elastic_kv._vmm import BackendError
+except ImportError:  # a data plane that is not ours: its untyped errors are treated as unknown state
+    BackendError = None  # type: ignore[assignment,misc]
 
 __all__ = ["Rank", "RankTarget"]
 
@@ -94,6 +99,7 @@ class _TxState(enum.Enum):
     ABORTED = "aborted"
 
 
+_MAX_TX = 1 << 63  # the data plane's transaction ids are int64
 _MAP_STATES = {_TxState.MAPPED, _TxState.MAP_FAILED, _TxState.ROLLED_BACK}
 _ACTIVE_STATES = {_TxState.QUEUED, _TxState.COMMIT_QUEUED, _TxState.PREPARED}
 
@@ -156,8 +162,8 @@ class _PoolRank:
 
     def lookup(self, tx: int, op: Op) -> _Tx | None:
         """The record of ``tx``; None for a new transaction; _Failed for a stale unknown one."""
-        if tx == 0:
-            raise _Failed(Code.BAD_ARGUMENT, "transaction id 0 is reserved")
+        if not 0 < tx < _MAX_TX:
+            raise _Failed(Code.BAD_ARGUMENT, f"transaction id {tx} is outside [1, 2**63)")
         record = self.history.get(tx)
         if record is None and tx <= self.last_tx:
             raise _Failed(
@@ -211,8 +217,10 @@ def _data_plane_failure(pool: _PoolRank, what: str, exc: Exception) -> _Failed:
         return _Failed(Code.EXHAUSTED, f"{what}: {exc}")
     if isinstance(exc, StateConsistencyError):
         return pool.break_(f"{what}: {exc}")
-    if isinstance(exc, ValueError):
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):  # refused before any state changed
         return _Failed(Code.BAD_ARGUMENT, f"{what}: {exc}")
+    if BackendError is not None and isinstance(exc, BackendError):  # rolled back by the data plane
+        return _Failed(Code.BACKEND, f"{what}: {exc}")
     return pool.break_(f"{what}: unexpected {exc!r}")
 
 
@@ -238,11 +246,19 @@ class Rank:
         self.busy_wait = busy_wait
         self._pools: dict[int, _PoolRank] = {}
         self._lock = threading.Lock()
+        self._handlers: dict[Op, Callable[[_PoolRank, Request], Status]] = {
+            Op.MAP: self._map,
+            Op.ROLLBACK: self._rollback,
+            Op.PREPARE: self._prepare,
+            Op.COMMIT: self._commit,
+            Op.ABORT: self._abort,
+        }
 
     def add_pool(
         self, target: RankTarget, *, pool: int = 0, backend: Any = None, handle_pool: Any = None
     ) -> None:
-        """Serve ``target`` as pool ``pool``. ``backend``/``handle_pool`` (optional) feed STATUS's handle counts."""
+        """Serve ``target`` as pool ``pool``. ``backend`` and ``handle_pool`` (optional) feed the handle
+        counts of STATUS replies."""
         with self._lock:
             if pool in self._pools:
                 raise ValueError(f"pool {pool} is already served by rank {self.rank}")
@@ -250,7 +266,8 @@ class Rank:
 
     def remove_pool(self, pool: int) -> None:
         """Stop serving ``pool`` and drop this rank's references to its target (KeyError when not served).
-        Later requests for it are answered UNKNOWN_POOL. Used to rebuild a pool after the consistency-error state."""
+        Later requests for it are answered UNKNOWN_POOL. Used to rebuild a pool after the consistency-error
+        state."""
         with self._lock:
             del self._pools[pool]
 
@@ -316,27 +333,20 @@ class Rank:
             self.fence.finish(req.finished_epoch)
         if pool.queued:
             pool.drain(self.fence)
-
-        def reply(status: Status = Status.OK, pages: tuple[int, ...] = (), with_info: bool = False) -> Reply:
-            info = pool.info(self.fence) if with_info else None
-            return Reply(req.request_id, self.rank, status, Code.NONE, req.pool, "", pages, info)
-
         if req.op is Op.STATUS:
             # The pool's view: retiring pages are still backed here but no longer the pool's.
-            live = (p for p in pool.target.mapped_pages() if p not in pool.retiring)
-            return reply(pages=tuple(sorted(live)), with_info=True)
+            live = tuple(sorted(p for p in pool.target.mapped_pages() if p not in pool.retiring))
+            return Reply(
+                req.request_id, self.rank, Status.OK, Code.NONE, req.pool, "", live, pool.info(self.fence)
+            )
         if req.op is Op.SYNC:
-            return reply(with_info=True)
+            return Reply(
+                req.request_id, self.rank, Status.OK, Code.NONE, req.pool, "", (), pool.info(self.fence)
+            )
         if error := pool.error():
             raise _Failed(Code.INCONSISTENT, f"rank {self.rank} pool {req.pool} is inconsistent: {error}")
-        handler = {
-            Op.MAP: self._map,
-            Op.ROLLBACK: self._rollback,
-            Op.PREPARE: self._prepare,
-            Op.COMMIT: self._commit,
-            Op.ABORT: self._abort,
-        }[req.op]
-        return reply(handler(pool, req))
+        status = self._handlers[req.op](pool, req)
+        return Reply(req.request_id, self.rank, status, Code.NONE, req.pool)
 
     # --- handlers: each returns the reply status or raises _Failed -----------------------------
     def _map(self, pool: _PoolRank, req: Request) -> Status:
@@ -368,7 +378,8 @@ class Rank:
         if still:
             raise _Failed(
                 Code.BUSY,
-                f"pages {still[:8]} are still retiring behind epoch {epoch} (finished: {self.fence.finished})",
+                f"pages {still[:8]} are still retiring behind epoch {epoch} "
+                f"(finished: {self.fence.finished})",
             )
 
     def _rollback(self, pool: _PoolRank, req: Request) -> Status:

@@ -5,8 +5,8 @@ the request; rollback and abort go to all ranks and are no-ops where nothing was
 one primitive only -- broadcast and gather -- which is exactly what an engine's worker RPC offers (vLLM's
 ``collective_rpc``: one call to every worker, a list of replies in rank order). Three implementations:
 
-* :class:`InProcessTransport` -- the rank objects live in the caller's process (TP=1 with the worker inside the
-  scheduler's process): a direct call, request and reply objects passed by reference, nothing encoded;
+* :class:`InProcessTransport` -- the rank objects live in the caller's process (TP=1 with the worker inside
+  the scheduler's process): a direct call, request and reply objects passed by reference, nothing encoded;
 * :class:`BroadcastTransport` -- any "send these bytes to every rank, give me their bytes back" function: the
   adapter for an engine's RPC (the vLLM package wraps ``collective_rpc`` with it);
 * :class:`elastic_kv.ranks.local.SocketTransport` -- Unix sockets, for processes on one host that share no
@@ -69,7 +69,7 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the transport's resources; later broadcasts return ``NoReply(gone=True)`` for every rank."""
+        """Release the transport's resources; later broadcasts answer ``NoReply(gone=True)`` for all ranks."""
         ...
 
 

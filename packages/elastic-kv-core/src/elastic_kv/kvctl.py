@@ -1,0 +1,311 @@
+"""kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.kvctl``).
+
+    kvctl list [--json]                 every pool and device budget
+    kvctl limit POOL SIZE|PCT|unlimited a pool's physical limit (PCT of its device's budget, else its size)
+    kvctl budget DEVICE [SIZE|PCT|unlimited]   show or set a device's GPU-wide budget (PCT of its size)
+    kvctl trim POOL                     ask a pool to return its mapped reserve now
+    kvctl watch [-n SEC] [--count N]    print the list every SEC seconds
+    kvctl top [-n SEC] [--count N]      live table
+    kvctl metrics [--port N]            Prometheus exposition once, or served on a port
+
+Sizes: 512M, 2GiB, 1.5G, 4096 (units are binary: 1G = 1GB = 1GiB), or a percentage such as 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from elastic_kv.errors import ConfigError
+from elastic_kv.registry_layout import UNLIMITED
+from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry, UnknownDeviceError, UnknownPoolError
+from elastic_kv.sizes import Percent, format_bytes, parse_amount
+
+__all__ = ["EXIT_BAD_ARGUMENT", "EXIT_REGISTRY", "EXIT_UNKNOWN", "main", "render_list"]
+
+# Exit codes (also in --help): 0 success, 1 unexpected failure.
+EXIT_BAD_ARGUMENT = 2  # argparse's own code for usage errors; also bad sizes and percentages
+EXIT_UNKNOWN = 3  # no such pool or device
+EXIT_REGISTRY = 4  # the registry directory or a file in it cannot be used (ConfigError)
+
+_UNLIMITED_WORDS = ("unlimited", "none")
+
+
+class _UsageError(Exception):
+    """A well-formed command that cannot be carried out as asked (e.g. a percentage of an unknown size)."""
+
+
+def _limit_text(nbytes: int) -> str:
+    return "unlimited" if nbytes == UNLIMITED else format_bytes(nbytes)
+
+
+def _pool_row(pool: PoolInfo) -> list[str]:
+    snap = pool.snapshot
+    if snap is None:
+        mapped = reserve = blocks = hit = "-"
+        state = "starting"
+    else:
+        mapped = format_bytes(snap.mapped_bytes)
+        reserve = format_bytes(pool.reserved_bytes)
+        blocks = f"{snap.used_blocks}/{snap.total_blocks}"
+        acquisitions = snap.reserve_hits + snap.reserve_misses
+        hit = f"{100 * snap.reserve_hit_rate:.0f}%" if acquisitions else "-"
+        state = snap.state.value
+    return [
+        pool.name,
+        pool.device,
+        pool.engine,
+        pool.model,
+        str(pool.pid),
+        _limit_text(pool.limit_bytes),
+        format_bytes(pool.charged_bytes),
+        mapped,
+        reserve,
+        blocks,
+        hit,
+        state,
+    ]
+
+
+POOL_COLUMNS = ("POOL", "DEVICE", "ENGINE", "MODEL", "PID", "LIMIT", "CHARGED", "MAPPED", "RESERVE", "BLOCKS",
+                "HIT", "STATE")  # fmt: skip
+DEVICE_COLUMNS = ("DEVICE", "BUDGET", "CHARGED", "SIZE", "POOLS")
+
+
+def _device_row(device: DeviceInfo) -> list[str]:
+    return [
+        device.device,
+        _limit_text(device.budget_bytes),
+        format_bytes(device.charged_bytes),
+        format_bytes(device.total_bytes) if device.total_bytes else "unknown",
+        str(len(device.pools)),
+    ]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=False)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *rows)]  # fmt: skip
+    return "\n".join(lines)
+
+
+def render_list(pools: Sequence[PoolInfo], devices: Sequence[DeviceInfo]) -> str:
+    """The plain-text tables of ``kvctl list``: pools, then devices."""
+    if not pools and not devices:
+        return "no elastic-kv pools"
+    parts = [_table(POOL_COLUMNS, [_pool_row(p) for p in pools]) if pools else "no elastic-kv pools"]
+    if devices:
+        parts.append(_table(DEVICE_COLUMNS, [_device_row(d) for d in devices]))
+    return "\n\n".join(parts)
+
+
+def _amount(text: str, what: str, base: Callable[[], tuple[int, str]]) -> int:
+    """Bytes for a SIZE, PCT or 'unlimited' argument; ``base`` gives (bytes, description) for a PCT."""
+    if text.strip().lower() in _UNLIMITED_WORDS:
+        return UNLIMITED
+    amount = parse_amount(text)
+    if isinstance(amount, Percent):
+        whole, description = base()
+        nbytes = amount.of(whole)
+    else:
+        nbytes = amount
+        description = ""
+    if nbytes <= 0:
+        raise _UsageError(
+            f"a {what} of {text}{description} is 0 bytes, which the registry reads as 'unlimited': write "
+            "'unlimited' if that is what you mean, or give a positive size"
+        )
+    return nbytes
+
+
+def _cmd_list(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    pools = registry.pools()
+    devices = registry.devices(reclaim=False)
+    if args.json:
+        doc = {"pools": [p.as_dict() for p in pools], "devices": [d.as_dict() for d in devices]}
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(render_list(pools, devices) + "\n")
+    return 0
+
+
+def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    pool = registry.pool(args.pool)
+
+    def base() -> tuple[int, str]:
+        device = registry.device(pool.device)
+        if device.budget_bytes != UNLIMITED:
+            return device.budget_bytes, f" of the {format_bytes(device.budget_bytes)} budget of {pool.device}"
+        if device.total_bytes:
+            return device.total_bytes, f" of the {format_bytes(device.total_bytes)} of {pool.device}"
+        raise _UsageError(
+            f"a percentage needs a budget or a known size for device {pool.device}; set one with "
+            f"'kvctl budget {pool.device} SIZE', or give the limit in bytes"
+        )
+
+    nbytes = _amount(args.size, "limit", base)
+    updated = registry.set_limit(pool.name, nbytes)
+    was = _limit_text(pool.limit_bytes)
+    out.write(
+        f"pool {updated.name}: limit {_limit_text(updated.limit_bytes)} (was {was}), "
+        f"charged {format_bytes(updated.charged_bytes)}, revision {updated.limit_revision}\n"
+    )
+    if updated.limit_bytes != UNLIMITED and updated.charged_bytes > updated.limit_bytes:
+        out.write("the pool holds more than that now: it stops growing and shrinks as its blocks are freed\n")
+    return 0
+
+
+def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    if args.size is None:
+        device = registry.device(args.device)
+    else:
+        known = {d.device: d for d in registry.devices()}
+
+        def base() -> tuple[int, str]:
+            total = known[args.device].total_bytes if args.device in known else 0
+            if not total:
+                raise _UsageError(
+                    f"the size of device {args.device} is unknown until a pool on it starts; give the budget "
+                    "in bytes"
+                )
+            return total, f" of the {format_bytes(total)} of {args.device}"
+
+        device = registry.set_budget(args.device, _amount(args.size, "budget", base))
+    out.write(
+        f"device {device.device}: budget {_limit_text(device.budget_bytes)}, charged "
+        f"{format_bytes(device.charged_bytes)} by {len(device.pools)} pool(s)\n"
+    )
+    if device.budget_bytes != UNLIMITED and device.charged_bytes > device.budget_bytes:
+        out.write("the pools hold more than that now: none can grow until they release enough\n")
+    return 0
+
+
+def _cmd_trim(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    pool = registry.request_trim(args.pool)
+    out.write(f"pool {pool.name}: trim requested (revision {pool.trim_revision})\n")
+    return 0
+
+
+def _cmd_watch(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    shown = 0
+    try:
+        while args.count is None or shown < args.count:
+            if shown:
+                time.sleep(args.interval)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            out.write(f"--- {stamp}\n{render_list(registry.pools(), registry.devices(reclaim=False))}\n")
+            out.flush()
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cmd_top(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    from elastic_kv.kvctl_top import run_top  # rich is imported only for this command
+
+    run_top(registry, interval=args.interval, count=args.count, out=out)
+    return 0
+
+
+def _cmd_metrics(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from elastic_kv.metrics import RegistryCollector, serve
+
+    if args.port is not None:
+        logging.getLogger("elastic_kv.metrics").setLevel(logging.INFO)
+        serve(args.port, args.addr, registry)
+        return 0
+    collectors = CollectorRegistry(auto_describe=False)
+    collectors.register(RegistryCollector(registry))
+    out.write(generate_latest(collectors).decode())
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvctl",
+        description="See and steer the elastic-kv pools of this host.",
+        epilog="exit codes: 0 ok, 1 unexpected error, 2 bad arguments or sizes, 3 unknown pool or device, "
+        "4 registry directory unusable",
+    )
+    parser.add_argument(
+        "--registry-dir",
+        type=Path,
+        default=None,
+        help="registry directory (default: $ELASTIC_KV_REGISTRY_DIR, else /dev/shm/elastic-kv-UID)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("list", help="every pool and device budget")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_cmd_list)
+
+    p = sub.add_parser("limit", help="set a pool's physical limit")
+    p.add_argument("pool")
+    p.add_argument("size", metavar="SIZE|PCT|unlimited", help="e.g. 512M, 2GiB, 25%% (of the device budget)")
+    p.set_defaults(run=_cmd_limit)
+
+    p = sub.add_parser("budget", help="show or set a device's GPU-wide budget")
+    p.add_argument("device", help="device name as the pools report it, e.g. cuda:0")
+    p.add_argument("size", nargs="?", metavar="SIZE|PCT|unlimited", help="e.g. 60GiB, 90%% (of the device)")
+    p.set_defaults(run=_cmd_budget)
+
+    p = sub.add_parser("trim", help="ask a pool to return its mapped reserve now")
+    p.add_argument("pool")
+    p.set_defaults(run=_cmd_trim)
+
+    for name, run, doc in (
+        ("watch", _cmd_watch, "print the list periodically"),
+        ("top", _cmd_top, "live table"),
+    ):
+        p = sub.add_parser(name, help=doc)
+        p.add_argument(
+            "-n", "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
+        )
+        p.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+        p.set_defaults(run=run)
+
+    p = sub.add_parser("metrics", help="Prometheus metrics: print once, or serve with --port")
+    p.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
+    p.add_argument("--addr", default="127.0.0.1", help="address to bind with --port (default: 127.0.0.1)")
+    p.set_defaults(run=_cmd_metrics)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run kvctl with ``argv`` (default: ``sys.argv[1:]``), writing to ``out``; return the exit code."""
+    stream = sys.stdout if out is None else out
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="kvctl: %(message)s")
+    if getattr(args, "interval", 1.0) <= 0:
+        return _fail(EXIT_BAD_ARGUMENT, "the interval must be positive")
+    try:
+        registry = Registry(args.registry_dir)
+        code: int = args.run(registry, args, stream)
+        return code
+    except (UnknownPoolError, UnknownDeviceError) as exc:
+        return _fail(EXIT_UNKNOWN, str(exc))
+    except ConfigError as exc:
+        return _fail(EXIT_REGISTRY, str(exc))
+    except (ValueError, _UsageError) as exc:
+        return _fail(EXIT_BAD_ARGUMENT, str(exc))
+    except BrokenPipeError:  # `kvctl list | head`
+        return 0
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"kvctl: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

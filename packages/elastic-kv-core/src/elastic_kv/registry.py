@@ -1,0 +1,455 @@
+"""One pool's record in the shared-memory registry, as its owner sees it: :class:`PoolRecord`.
+
+The ledger of each pool creates one record. Through it the pool
+
+* charges the physical bytes it backs against its own limit *and* its device's GPU-wide budget
+  (:meth:`PoolRecord.try_charge` / :meth:`PoolRecord.uncharge`), atomically across processes;
+* learns, without a system call, that ``kvctl`` changed its limit or the device budget, or asked for a
+  trim (:meth:`PoolRecord.poll`);
+* publishes its statistics and map/unmap latencies for ``kvctl`` and the Prometheus collector, which may
+  run in any other process of the user (:meth:`PoolRecord.publish`, :meth:`PoolRecord.observe`).
+
+Life cycle: the record is a file ``<registry>/<name>.pool`` (0600, layout ``registry_layout.RecordLayout``)
+mapped in the owner, who holds an exclusive ``flock`` on it until it closes. :meth:`PoolRecord.close`
+(also run at interpreter exit and when the record is garbage-collected) returns the pool's charge to the
+device and removes the file. If the owner dies without closing -- SIGKILL, OOM killer -- the next scan
+(``kvctl``, a metrics scrape, the next pool created) or a charge that needs the memory reclaims it.
+
+Names are the pool's own, exactly as given: two pools cannot share one (the second gets ``ConfigError``
+while the first lives) unless the creator asks for a free suffix (``suffix_if_taken``), which is meant for
+names the engine plugin made up, never for a name the user chose.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import secrets
+import struct
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_kv.budget import DeviceBudget
+from elastic_kv.errors import ConfigError
+from elastic_kv.registry_fs import (
+    ProcessIdentity,
+    RegistryConfig,
+    check_device_name,
+    check_pool_name,
+    create_file,
+    ensure_private_directory,
+    registry_lock,
+)
+from elastic_kv.registry_layout import (
+    HISTOGRAM_BOUNDS,
+    LATENCY_OPS,
+    SNAPSHOT_INT_FIELDS,
+    UNLIMITED,
+    RecordLayout,
+)
+from elastic_kv.registry_view import read_record, reclaim_dead_locked
+from elastic_kv.snapshot import PoolSnapshot
+
+__all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
+
+logger = logging.getLogger(__name__)
+
+# headroom_bytes when neither a pool limit nor a device budget applies.
+UNBOUNDED = sys.maxsize
+# suffix_if_taken tries name, name-2, ..., name-<_MAX_SUFFIX>.
+_MAX_SUFFIX = 999
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEvents:
+    """What changed since the previous :meth:`PoolRecord.poll` (events coalesce: several changes = one)."""
+
+    limit_changed: bool  # the pool limit or the device budget changed: re-read limit_bytes / headroom_bytes
+    trim_requested: bool  # kvctl asked the pool to return its mapped reserve now
+
+
+_NO_EVENTS = RecordEvents(limit_changed=False, trim_requested=False)
+_REVISIONS = struct.Struct("<QQ")  # RecordLayout.limit_revision, then trim_revision
+
+
+class _Owned:
+    """The resources behind a PoolRecord; released exactly once, by close() or by the finalizer."""
+
+    def __init__(
+        self,
+        config: RegistryConfig,
+        path: Path,
+        fd: int,
+        mapping: mmap.mmap,
+        budget: DeviceBudget,
+        token: int,
+    ) -> None:
+        self.config = config
+        self.path = path
+        self.fd = fd
+        self.map = mapping
+        self.budget = budget
+        self.token = token
+        self.slot = -1
+        self.owner_pid = os.getpid()
+
+    def release(self) -> None:
+        # A forked child inherits the mapping but is not the owner: it must not remove the record.
+        if os.getpid() == self.owner_pid:
+            try:
+                self._remove_shared_state()
+            except OSError as exc:  # e.g. the registry directory was deleted: nothing left to clean
+                logger.warning("pool record %s: could not remove it cleanly: %s", self.path, exc)
+        self.map.close()
+        self.budget.close()
+        os.close(self.fd)  # drops the liveness lock
+
+    def _remove_shared_state(self) -> None:
+        with registry_lock(self.config):
+            with self.budget.locked():
+                if self.slot >= 0:
+                    self.budget.release_slot_locked(self.slot, self.token)
+            # Unlink only our own file: after a reclaim (e.g. while this process was stopped) the name
+            # may already belong to a new pool.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _initial_record(
+    name: str, device: str, engine: str, model: str, limit_bytes: int, token: int, owner: ProcessIdentity
+) -> bytes:
+    buf = bytearray(RecordLayout.SIZE)
+    RecordLayout.magic.put(buf, RecordLayout.MAGIC)
+    RecordLayout.version.put(buf, RecordLayout.VERSION)
+    RecordLayout.header_size.put(buf, RecordLayout.SIZE)
+    RecordLayout.token.put(buf, token)
+    RecordLayout.pid.put(buf, owner.pid)
+    RecordLayout.slot.put(buf, -1)
+    RecordLayout.start_ticks.put(buf, owner.start_ticks)
+    RecordLayout.pid_namespace.put(buf, owner.pid_namespace)
+    RecordLayout.created_at.put(buf, time.time())
+    RecordLayout.limit_bytes.put(buf, limit_bytes)
+    RecordLayout.name.put(buf, name)
+    RecordLayout.device.put(buf, device)
+    RecordLayout.engine.put(buf, engine)
+    RecordLayout.model.put(buf, model)
+    return bytes(buf)
+
+
+class PoolRecord:
+    """One pool's shared-memory record, owned by the process that created it (see the module docstring).
+
+    Thread-safe. Use :meth:`create`; call :meth:`close` on clean shutdown (or use it as a context manager).
+    Methods other than :meth:`close` raise ``ValueError`` after it.
+    """
+
+    def __init__(self, owned: _Owned, name: str, device: str, engine: str, model: str) -> None:
+        """Use :meth:`create`."""
+        self._owned = owned
+        self._map = owned.map
+        self._budget = owned.budget
+        self._name = name
+        self._device = device
+        self._engine = engine
+        self._model = model
+        self._charge_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        self._seen_revisions: tuple[int, int] = _REVISIONS.unpack_from(
+            self._map, RecordLayout.limit_revision.offset
+        )
+        self._seen_budget = self._budget.budget_revision
+        self._finalizer = weakref.finalize(self, owned.release)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        device: str,
+        engine: str,
+        model: str,
+        limit_bytes: int,
+        registry_dir: Path | None = None,
+        device_total_bytes: int = 0,
+        suffix_if_taken: bool = False,
+    ) -> PoolRecord:
+        """Register a new pool and return its record, owned by this process.
+
+        Args:
+            name: the pool's name, unique in the registry (1-64 of ``A-Z a-z 0-9 . _ -``).
+            device: the device the pool's memory lives on; every pool naming the same device shares its
+                budget. Use one spelling per physical GPU on the host (e.g. the GPU UUID when processes
+                see different ``CUDA_VISIBLE_DEVICES``).
+            engine, model: shown by ``kvctl`` and in metric labels (a long model path keeps its tail).
+            limit_bytes: the pool's initial physical limit; ``UNLIMITED`` (0) = none.
+            registry_dir: the registry directory; ``None`` = ``RegistryConfig.from_env()``.
+            device_total_bytes: the device's memory size, if known (``kvctl`` uses it for percentages).
+            suffix_if_taken: if ``name`` belongs to a live pool, use ``name-2``, ``name-3``, ... instead of
+                failing. For names the plugin derives itself; an explicit user name must stay exact.
+
+        Raises:
+            ValueError: malformed name or device, negative limit.
+            ConfigError: the name belongs to a live pool (and no suffix was asked for), the registry
+                directory is not private to this user, or the device has no free slot.
+        """
+        check_pool_name(name)
+        check_device_name(device)
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0 (0 = unlimited), got {limit_bytes}")
+        config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
+        directory = ensure_private_directory(config.directory)
+        owner = ProcessIdentity.current()
+        budget = DeviceBudget.open(directory, device, create=True)
+        assert budget is not None  # create=True never answers None
+        try:
+            with registry_lock(config):
+                reclaim_dead_locked(config)  # a dead owner's record must not block its name
+                chosen, fd, token = cls._publish_record(
+                    directory, name, device, engine, model, limit_bytes, owner, suffix_if_taken
+                )
+                path = directory / f"{chosen}.pool"
+                try:
+                    mapping = mmap.mmap(fd, RecordLayout.SIZE)
+                except BaseException:
+                    os.unlink(path)
+                    os.close(fd)
+                    raise
+                owned = _Owned(config, path, fd, mapping, budget, token)
+                try:
+                    with budget.locked():
+                        owned.slot = budget.claim_slot_locked(token, chosen, owner)
+                        if device_total_bytes > 0:
+                            budget.set_total_locked(device_total_bytes)
+                except BaseException:
+                    os.unlink(path)
+                    mapping.close()
+                    os.close(fd)
+                    raise
+                RecordLayout.slot.put(mapping, owned.slot)
+        except BaseException:
+            budget.close()
+            raise
+        return cls(owned, chosen, device, engine, model)
+
+    @staticmethod
+    def _publish_record(
+        directory: Path,
+        name: str,
+        device: str,
+        engine: str,
+        model: str,
+        limit_bytes: int,
+        owner: ProcessIdentity,
+        suffix_if_taken: bool,
+    ) -> tuple[str, int, int]:
+        """Create the record file under the first free name; (name, locked descriptor, token)."""
+        token = secrets.randbits(63) | 1  # never 0: 0 marks a free device slot
+        last = _MAX_SUFFIX if suffix_if_taken else 1
+        for n in range(1, last + 1):
+            candidate = name if n == 1 else f"{name}-{n}"
+            if n > 1:
+                check_pool_name(candidate)
+            content = _initial_record(candidate, device, engine, model, limit_bytes, token, owner)
+            fd = create_file(directory, f"{candidate}.pool", content, keep_locked=True)
+            if fd is not None:
+                return candidate, fd, token
+        raise ConfigError(_name_taken_message(directory, name, suffix_if_taken))
+
+    # -- properties (lock-free reads of the mapping) -----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The pool's registry name (``name`` as given, or with the suffix ``create`` chose)."""
+        return self._name
+
+    @property
+    def device(self) -> str:
+        """The device whose budget the pool charges."""
+        return self._device
+
+    @property
+    def path(self) -> Path:
+        """The record file."""
+        return self._owned.path
+
+    @property
+    def limit_bytes(self) -> int:
+        """The pool's current physical limit, ``UNLIMITED`` (0) for none. ``kvctl`` may change it any time."""
+        return RecordLayout.limit_bytes.get(self._map)
+
+    @property
+    def charged_bytes(self) -> int:
+        """Physical bytes this pool has charged."""
+        return self._budget.slot_charge(self._owned.slot)
+
+    @property
+    def headroom_bytes(self) -> int:
+        """How many more bytes a charge could get now, within the limit and the budget (``UNBOUNDED`` if
+        neither applies). A hint without the lock: another pool may take the budget first."""
+        charged = self._budget.slot_charge(self._owned.slot)
+        limit = RecordLayout.limit_bytes.get(self._map)
+        room = UNBOUNDED if limit == UNLIMITED else limit - charged
+        budget = self._budget.budget_bytes
+        if budget != UNLIMITED:
+            room = min(room, budget - sum(self._budget.charges()))
+        return max(0, room)
+
+    # -- charging -------------------------------------------------------------------------------------
+
+    def try_charge(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` physical bytes within the pool limit and the device's GPU-wide budget.
+
+        Atomic across processes: it succeeds only if, at one instant under the device lock, this pool's
+        charge plus ``nbytes`` fits its limit and every pool's charge on the device plus ``nbytes`` fits
+        the budget. False charges nothing -- the caller reports ``PoolExhausted`` pressure. Costs two
+        ``flock`` calls (microseconds; see ``benchmarks/limits``): call it per page mapped, not per block.
+        ``ValueError`` if ``nbytes`` is negative or the record is closed.
+        """
+        if nbytes < 0:
+            raise ValueError(f"cannot charge a negative amount ({nbytes} bytes)")
+        with self._charge_lock:
+            self._check_open()
+            if nbytes == 0:
+                return True
+            with self._budget.locked():
+                charged = self._budget.try_charge_locked(
+                    self._owned.slot, nbytes, RecordLayout.limit_bytes.get(self._map)
+                )
+                if charged is None:
+                    return False
+                RecordLayout.charged_bytes.put(self._map, charged)
+        return True
+
+    def uncharge(self, nbytes: int) -> None:
+        """Return ``nbytes`` previously charged. ``ValueError`` (nothing changed) if negative, more than
+        the pool has charged, or the record is closed."""
+        if nbytes < 0:
+            raise ValueError(f"cannot uncharge a negative amount ({nbytes} bytes)")
+        with self._charge_lock:
+            self._check_open()
+            with self._budget.locked():
+                charged = self._budget.uncharge_locked(self._owned.slot, nbytes)
+                RecordLayout.charged_bytes.put(self._map, charged)
+
+    # -- control from kvctl ---------------------------------------------------------------------------
+
+    def poll(self) -> RecordEvents:
+        """What ``kvctl`` changed since the last poll: the limit or the device budget, or a trim request.
+
+        Reads three counters from the mappings -- no system call, no lock -- so the ledger may call it on
+        every allocation. A change seen once is not reported again.
+        """
+        if self._closed:
+            raise ValueError(f"pool record {self._name!r} is closed")
+        # limit_revision and trim_revision are adjacent: one unpack reads both.
+        revisions = _REVISIONS.unpack_from(self._map, RecordLayout.limit_revision.offset)
+        budget_rev = self._budget.budget_revision
+        if revisions == self._seen_revisions and budget_rev == self._seen_budget:
+            return _NO_EVENTS  # the common case, kept allocation-free
+        events = RecordEvents(
+            limit_changed=revisions[0] != self._seen_revisions[0] or budget_rev != self._seen_budget,
+            trim_requested=revisions[1] != self._seen_revisions[1],
+        )
+        self._seen_revisions, self._seen_budget = revisions, budget_rev
+        return events
+
+    # -- statistics -----------------------------------------------------------------------------------
+
+    def publish(self, snapshot: PoolSnapshot) -> None:
+        """Store ``snapshot`` in the record for ``kvctl`` and the metrics collector (the last one wins).
+
+        The pool's name in the registry is the record's; ``snapshot.name`` is not stored.
+        """
+        ints = [int(getattr(snapshot, field)) for field in SNAPSHOT_INT_FIELDS]
+        with self._stats_lock:
+            self._check_open()
+            m = self._map
+            self._begin_stats_write()
+            RecordLayout.snapshot_state.put(m, snapshot.state.value)
+            RecordLayout.snapshot_timestamp.put(m, snapshot.timestamp)
+            for index, value in enumerate(ints):
+                RecordLayout.snapshot_ints.put(m, index, value)
+            RecordLayout.published.put(m, RecordLayout.published.get(m) + 1)
+            self._end_stats_write()
+
+    def observe(self, op: str, seconds: float) -> None:
+        """Add one latency sample of ``op`` ("map" or "unmap") to the record's histogram.
+
+        ``ValueError`` for another op or a negative duration. A few stores into the mapping, no syscall.
+        """
+        try:
+            index = LATENCY_OPS.index(op)
+        except ValueError:
+            raise ValueError(f"unknown latency op {op!r}; expected one of {LATENCY_OPS}") from None
+        if not seconds >= 0.0:  # also rejects NaN
+            raise ValueError(f"latency must be a non-negative number of seconds, got {seconds}")
+        bucket = bisect.bisect_left(HISTOGRAM_BOUNDS, seconds)  # first bound >= seconds: Prometheus' "le"
+        with self._stats_lock:
+            self._check_open()
+            m = self._map
+            self._begin_stats_write()
+            RecordLayout.hist_count[index].put(m, RecordLayout.hist_count[index].get(m) + 1)
+            RecordLayout.hist_sum[index].put(m, RecordLayout.hist_sum[index].get(m) + seconds)
+            buckets = RecordLayout.hist_buckets[index]
+            buckets.put(m, bucket, buckets.get(m, bucket) + 1)
+            self._end_stats_write()
+
+    def _begin_stats_write(self) -> None:
+        # Sequence lock: odd while writing, so a reader in another process retries instead of keeping a
+        # torn copy. Only the owner writes statistics, under _stats_lock.
+        RecordLayout.stats_seq.put(self._map, RecordLayout.stats_seq.get(self._map) + 1)
+
+    def _end_stats_write(self) -> None:
+        RecordLayout.stats_seq.put(self._map, RecordLayout.stats_seq.get(self._map) + 1)
+
+    # -- life cycle -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Return the pool's charge to the device budget and remove the record. Idempotent.
+
+        Also runs at interpreter exit and if the record is garbage-collected unclosed.
+        """
+        with self._charge_lock, self._stats_lock:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> PoolRecord:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"limit={self.limit_bytes} charged={self.charged_bytes}"
+        return f"PoolRecord({self._name!r}, device={self._device!r}, engine={self._engine!r}, {state})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"pool record {self._name!r} is closed")
+
+
+def _name_taken_message(directory: Path, name: str, suffixed: bool) -> str:
+    if suffixed:
+        return f"pool names {name}, {name}-2 ... {name}-{_MAX_SUFFIX} are all in use in {directory}"
+    owner = ""
+    try:
+        fd = os.open(directory / f"{name}.pool", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = read_record(fd)
+        finally:
+            os.close(fd)
+        if info is not None:
+            owner = f" by pid {info.pid} ({info.engine}, model {info.model})"
+    except OSError:
+        pass
+    return f"pool name {name!r} is in use{owner}; choose another name for this pool"

@@ -1,0 +1,49 @@
+"""How many backed free pages a pool keeps ready: the reserve's watermarks, sized from recent growth.
+
+Mapping a page costs driver time (tens of microseconds per handle on CUDA, per layer and K/V), so a pool
+keeps a *reserve* of backed, empty pages and refills it in the background: in steady state ``alloc`` never
+waits for the driver. Too large a reserve holds memory an idle engine does not need, so the reserve follows
+demand: :class:`ReservePolicy` remembers how many pages the pool took into use in each of the last
+``window`` maintenance intervals (one per engine step) and aims to hold as many as the largest of them,
+clamped to ``[min_pages, max_pages]``. A burst like the biggest recent one is then served without a driver
+call; after ``window`` quiet steps the reserve shrinks back to ``min_pages``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["ReservePolicy"]
+
+
+class ReservePolicy:
+    """Reserve target from recent page demand (see the module docstring). Not thread-safe: the ledger
+    calls it under its own lock."""
+
+    __slots__ = ("_current", "_history", "_max", "_min", "_target")
+
+    def __init__(self, min_pages: int, max_pages: int, window: int) -> None:
+        if not 0 <= min_pages <= max_pages or window < 1:
+            raise ValueError(f"need 0 <= min_pages ({min_pages}) <= max_pages ({max_pages}) and window >= 1")
+        self._min, self._max = min_pages, max_pages
+        self._history: deque[int] = deque(maxlen=window)
+        self._current = 0
+        self._target = min_pages
+
+    @property
+    def target(self) -> int:
+        """Pages the reserve should hold now."""
+        return self._target
+
+    def note_acquired(self, pages: int) -> None:
+        """``pages`` empty pages were just taken into use; a burst above the target raises it at once."""
+        self._current += pages
+        if self._current > self._target:
+            self._target = min(self._max, self._current)
+
+    def end_interval(self) -> int:
+        """Close the current interval (one engine step) and return the new target."""
+        self._history.append(self._current)
+        self._current = 0
+        self._target = min(self._max, max(self._min, max(self._history)))
+        return self._target

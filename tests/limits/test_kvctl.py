@@ -1,0 +1,196 @@
+"""kvctl as operators run it: a real child process against pools owned by other real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_UNKNOWN
+from elastic_kv.registry_view import Registry
+from limits.helpers import PoolProcess
+
+MiB = 1 << 20
+GiB = 1 << 30
+Kvctl = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def two_pools(spawn_pool: Callable[..., PoolProcess]) -> tuple[PoolProcess, PoolProcess]:
+    """Pool "llama" on cuda:0 (a 80 GiB device, 4 GiB limit, statistics published) and "qwen" (no limit)."""
+    llama = spawn_pool("llama", limit=4 * GiB, engine="vllm", model="meta-llama/Llama-3.1-8B", total=80 * GiB)
+    qwen = spawn_pool("qwen", engine="sglang", model="Qwen/Qwen3-8B")
+    assert llama.send(f"charge {3 * GiB}")["ok"]
+    assert llama.send(f"publish 700 4096 {3 * GiB} 90 10")["ok"]
+    assert qwen.send(f"charge {GiB}")["ok"]
+    return llama, qwen
+
+
+def test_list_shows_pools_and_devices(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
+    llama, qwen = two_pools
+    done = kvctl("list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:6] == ["POOL", "DEVICE", "ENGINE", "MODEL", "PID", "LIMIT"]
+    llama_row = next(line for line in lines if line.startswith("llama "))
+    for cell in (
+        "vllm",
+        "meta-llama/Llama-3.1-8B",
+        str(llama.pid),
+        "4.00 GiB",
+        "3.00 GiB",
+        "700/4096",
+        "90%",
+    ):
+        assert cell in llama_row
+    qwen_row = next(line for line in lines if line.startswith("qwen "))
+    assert "unlimited" in qwen_row and "starting" in qwen_row and str(qwen.pid) in qwen_row
+    device_row = next(line for line in lines if line.startswith("cuda:0 "))
+    assert device_row.split()[:2] == ["cuda:0", "unlimited"] and "80.0 GiB" in device_row
+
+
+def test_list_json(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
+    done = kvctl("list", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    pools = {p["name"]: p for p in doc["pools"]}
+    assert set(pools) == {"llama", "qwen"}
+    assert pools["llama"]["charged_bytes"] == 3 * GiB
+    assert pools["llama"]["snapshot"]["used_blocks"] == 700
+    assert pools["llama"]["snapshot"]["schema"] == "elastic_kv.pool_snapshot.v1"
+    assert pools["qwen"]["snapshot"] is None
+    assert doc["devices"] == [
+        {"device": "cuda:0", "budget_bytes": 0, "budget_revision": 0, "total_bytes": 80 * GiB,
+         "charged_bytes": 4 * GiB, "pools": ["llama", "qwen"]}
+    ]  # fmt: skip
+
+
+def test_limit_sizes_and_percentages(
+    kvctl: Kvctl, registry_dir: Path, two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    llama, _ = two_pools
+    done = kvctl("limit", "llama", "2GiB")
+    assert done.returncode == 0, done.stderr
+    assert "limit 2.00 GiB (was 4.00 GiB)" in done.stdout
+    assert "shrinks as its blocks are freed" in done.stdout  # 3 GiB charged > 2 GiB
+    assert llama.send("poll")["limit_changed"]
+    assert llama.send("poll")["limit"] == 2 * GiB
+    # A percentage is of the device's size while no budget is set, then of the budget.
+    assert kvctl("limit", "llama", "10%").returncode == 0
+    assert Registry(registry_dir).pool("llama").limit_bytes == 8 * GiB
+    assert kvctl("budget", "cuda:0", "50%").returncode == 0  # of the 80 GiB device
+    assert Registry(registry_dir).device("cuda:0").budget_bytes == 40 * GiB
+    assert kvctl("limit", "llama", "25%").returncode == 0
+    assert Registry(registry_dir).pool("llama").limit_bytes == 10 * GiB
+    assert kvctl("limit", "llama", "unlimited").returncode == 0
+    assert Registry(registry_dir).pool("llama").limit_bytes == 0
+
+
+def test_budget_show_set_and_effect_on_charges(
+    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    llama, qwen = two_pools
+    done = kvctl("budget", "cuda:0", "4G")
+    assert done.returncode == 0, done.stderr
+    assert "budget 4.00 GiB, charged 4.00 GiB by 2 pool(s)" in done.stdout
+    assert qwen.send("poll")["limit_changed"]
+    assert not qwen.send("charge 1")["ok"]  # the device is at its budget
+    done = kvctl("budget", "cuda:0", "3G")
+    assert "none can grow until they release enough" in done.stdout
+    done = kvctl("budget", "cuda:0")
+    assert done.returncode == 0 and "budget 3.00 GiB" in done.stdout
+    assert kvctl("budget", "cuda:0", "none").returncode == 0
+    assert qwen.send(f"charge {GiB}")["ok"]
+    # An operator may set a budget before any engine uses the device.
+    done = kvctl("budget", "GPU-0f3c2b1a-1111-2222-3333-444455556666", "60GiB")
+    assert done.returncode == 0, done.stderr
+    assert llama.send("state")["charged"] == 3 * GiB
+
+
+def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
+    llama, qwen = two_pools
+    done = kvctl("trim", "qwen")
+    assert done.returncode == 0, done.stderr
+    assert "trim requested" in done.stdout
+    events = qwen.send("poll")
+    assert events["trim_requested"] and not events["limit_changed"]
+    assert not llama.send("poll")["trim_requested"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("limit", "nope", "1G"), EXIT_UNKNOWN, "no pool named 'nope'.*pools: llama, qwen"),
+        (("trim", "nope"), EXIT_UNKNOWN, "no pool named 'nope'"),
+        (("budget", "cuda:7"), EXIT_UNKNOWN, "no budget for device 'cuda:7'.*known devices: cuda:0"),
+        (("limit", "llama", "12X"), EXIT_BAD_ARGUMENT, "invalid size '12X'"),
+        (("limit", "llama", "--", "-1G"), EXIT_BAD_ARGUMENT, "invalid size"),
+        (("limit", "llama", "1.5"), EXIT_BAD_ARGUMENT, "whole number of bytes"),
+        (("limit", "llama", "150%"), EXIT_BAD_ARGUMENT, "at most 100%"),
+        (("limit", "llama", "0"), EXIT_BAD_ARGUMENT, "'unlimited'"),
+        (("limit", "qwen", "0.0000000001%"), EXIT_BAD_ARGUMENT, "0 bytes"),
+        (("limit", "bad/name", "1G"), EXIT_BAD_ARGUMENT, "invalid pool name"),
+        (("budget", "cuda/0", "1G"), EXIT_BAD_ARGUMENT, "invalid device name"),
+        (("budget", "cuda:5", "10%"), EXIT_BAD_ARGUMENT, "size of device cuda:5 is unknown"),
+        (("watch", "-n", "0"), EXIT_BAD_ARGUMENT, "interval must be positive"),
+        (("frobnicate",), EXIT_BAD_ARGUMENT, "invalid choice"),
+        ((), EXIT_BAD_ARGUMENT, "required"),
+    ],
+)
+def test_errors_have_clear_messages_and_exit_codes(
+    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess], args: tuple[str, ...], code: int, message: str
+) -> None:
+    done = kvctl(*args)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    assert re.search(message, done.stderr), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_percentage_limit_without_budget_or_size_is_refused(
+    kvctl: Kvctl, spawn_pool: Callable[..., PoolProcess]
+) -> None:
+    spawn_pool("lonely", device="cuda:3")  # no --total: the device's size is unknown
+    done = kvctl("limit", "lonely", "20%")
+    assert done.returncode == EXIT_BAD_ARGUMENT
+    assert "kvctl budget cuda:3 SIZE" in done.stderr
+
+
+def test_unusable_registry_directory_exits_4(tmp_path: Path, child_env: dict[str, str]) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", "--registry-dir", str(loose), "list"],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == EXIT_REGISTRY
+    assert "chmod 700" in done.stderr
+
+
+def test_empty_registry(kvctl: Kvctl) -> None:
+    done = kvctl("list")
+    assert done.returncode == 0 and done.stdout.strip() == "no elastic-kv pools"
+    assert json.loads(kvctl("list", "--json").stdout) == {"pools": [], "devices": []}
+
+
+def test_watch_prints_periodically(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
+    done = kvctl("watch", "-n", "0.05", "--count", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("--- ") == 3
+    assert done.stdout.count("\nllama ") == 3
+
+
+def test_top_draws_a_table(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
+    done = kvctl("top", "-n", "0.05", "--count", "2")
+    assert done.returncode == 0, done.stderr
+    for text in ("devices", "pools", "llama", "qwen", "cuda:0", "3.00 GiB", "700/4096", "90%", "starting"):
+        assert text in done.stdout, text
