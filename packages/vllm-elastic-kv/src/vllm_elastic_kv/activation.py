@@ -25,7 +25,6 @@ from typing import Any
 
 from elastic_kv.errors import ConfigError
 from elastic_kv.ranks import new_instance_name
-
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
 
@@ -102,7 +101,9 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
             "--kv-cache-backend=elastic needs additional_config to be a dict, got "
             f"{type(vllm_config.additional_config).__name__}"
         )
-    sched, par = vllm_config.scheduler_config, vllm_config.parallel_config
+    sched, par, cache = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.cache_config
+    if plugin.capacity_bytes and cache.kv_cache_memory_bytes is None:
+        cache.kv_cache_memory_bytes = plugin.capacity_bytes  # virtual: backed only as blocks are used
     sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
     par.worker_cls = WORKERS.get(par.worker_cls, par.worker_cls)
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))

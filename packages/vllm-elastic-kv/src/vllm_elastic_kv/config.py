@@ -11,8 +11,15 @@ Everything the plugin reads comes through :meth:`PluginConfig.resolve`, in this 
 
 Pool settings are :class:`elastic_kv.config.ElasticConfig` fields: ``ELASTIC_KV_*`` environment variables,
 overridden by ``additional_config["elastic_kv"]`` (a dict of field names; sizes may be strings such as
-``"2M"``). When the front end activates the elastic backend it writes the resolved choice and an engine
-instance token into ``additional_config``, so the engine core and the workers, which receive the same
+``"2M"``). Two settings are the plugin's own (same two sources):
+
+* ``capacity_bytes`` / ``ELASTIC_KV_CAPACITY`` -- the KV cache's virtual capacity when
+  ``--kv-cache-memory-bytes`` is not given (which always wins); 0 = vLLM's own sizing;
+* ``idle_cache_bytes`` / ``ELASTIC_KV_IDLE_CACHE`` -- prefix-cache pages an idle engine keeps backed
+  (default 0: an idle engine returns everything but its reserve).
+
+When the front end activates the elastic backend it writes the resolved choice and an engine instance token
+into ``additional_config``, so the engine core and the workers, which receive the same
 ``VllmConfig``, never depend on their environment for the decision.
 
 The environment is read only here, and only from the mapping the caller passes (``os.environ`` in
@@ -25,6 +32,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from elastic_kv.config import ENV_PREFIX, ElasticConfig, parse_size
@@ -45,8 +53,10 @@ OPTIONS_KEY = "elastic_kv"
 # Key inside OPTIONS_KEY that the front end fills in: the engine instance token (socket and pool names).
 INSTANCE_KEY = "instance"
 BACKEND_ENV = f"{ENV_PREFIX}BACKEND"
+# The plugin's own options: additional_config["elastic_kv"] key -> environment variable.
+_PLUGIN_OPTIONS = {"capacity_bytes": f"{ENV_PREFIX}CAPACITY", "idle_cache_bytes": f"{ENV_PREFIX}IDLE_CACHE"}
 # Plugin-level environment variables: kept away from ElasticConfig.from_env, which warns on unknown names.
-_PLUGIN_ENV = frozenset({BACKEND_ENV})
+_PLUGIN_ENV = frozenset({BACKEND_ENV, *_PLUGIN_OPTIONS.values()})
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SIZE_FIELDS = frozenset({"page_size", "limit_bytes", "min_free_bytes"})
 
@@ -84,6 +94,8 @@ class PluginConfig:
     source: str
     elastic: ElasticConfig
     instance: str | None = None
+    capacity_bytes: int = 0
+    idle_cache_bytes: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -119,10 +131,12 @@ class PluginConfig:
             raise ConfigError(
                 f"additional_config[{OPTIONS_KEY!r}][{INSTANCE_KEY!r}]={instance!r} is malformed"
             )
-        overrides = _pool_overrides({k: v for k, v in pool_options.items() if k != INSTANCE_KEY})
+        own = {k for k in pool_options if k in _PLUGIN_OPTIONS or k == INSTANCE_KEY}
+        overrides = _pool_overrides({k: v for k, v in pool_options.items() if k not in own})
         pool_env = {k: v for k, v in environ.items() if k not in _PLUGIN_ENV}
         elastic = ElasticConfig.from_env(pool_env, **overrides)
-        return cls(backend=backend, source=source, elastic=elastic, instance=instance)
+        sizes = {name: _plugin_size(name, pool_options, environ) for name in _PLUGIN_OPTIONS}
+        return cls(backend=backend, source=source, elastic=elastic, instance=instance, **sizes)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, environ: Mapping[str, str]) -> PluginConfig:
@@ -130,13 +144,32 @@ class PluginConfig:
         return cls.resolve(getattr(vllm_config, "additional_config", None), environ)
 
 
+def _plugin_size(name: str, options: Mapping[str, Any], environ: Mapping[str, str]) -> int:
+    """Plugin option ``name`` from ``additional_config`` (wins) or its environment variable; 0 if unset."""
+    env = _PLUGIN_OPTIONS[name]
+    if name in options:
+        value, source = options[name], f"additional_config[{OPTIONS_KEY!r}][{name!r}]"
+    elif environ.get(env, "").strip():
+        value, source = environ[env], env
+    else:
+        return 0
+    try:
+        size = parse_size(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}={value!r}: {exc}") from None
+    if size < 0:
+        raise ConfigError(f"{source}={value!r} must be >= 0")
+    return size
+
+
 def _pool_overrides(options: Mapping[str, Any]) -> dict[str, Any]:
     """Validate ``additional_config["elastic_kv"]``: ElasticConfig field names, sizes parsed from strings."""
     known = {f.name for f in fields(ElasticConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
+        allowed = sorted(known | set(_PLUGIN_OPTIONS))
         raise ConfigError(
-            f"additional_config[{OPTIONS_KEY!r}] has unknown option(s) {unknown}; known: {sorted(known)}"
+            f"additional_config[{OPTIONS_KEY!r}] has unknown option(s) {unknown}; known: {allowed}"
         )
     out: dict[str, Any] = {}
     for name, value in options.items():
@@ -145,5 +178,7 @@ def _pool_overrides(options: Mapping[str, Any]) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as exc:
                 raise ConfigError(f"additional_config[{OPTIONS_KEY!r}][{name!r}]: {exc}") from None
+        elif name == "registry_dir" and isinstance(value, str):
+            value = Path(value)
         out[name] = value
     return out

@@ -1,0 +1,180 @@
+"""The scheduler's side of the elastic pool: the ledger, its shared record and the coordinator.
+
+:class:`SchedulerPool` is built once the scheduler's block pool exists (the workers have allocated and
+are serving their ranks by then) and wires:
+
+* the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.planned_geometry`);
+* the **coordinator** (``elastic_kv.ranks.Coordinator``) over a ``SocketTransport`` to every worker's rank,
+  at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages;
+* the pool's **record** in the shared registry (``kvctl list`` shows it; ``kvctl limit`` steers it);
+* the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
+  step that may read it is in flight is released only when that step's output is back.
+
+Epochs: :meth:`step_dispatched` after each ``schedule()`` starts an epoch; :meth:`step_completed` when the
+scheduler processes that step's output releases pages emptied up to it. :meth:`quiesce` releases every
+pending page when no step is in flight (idle engine, sleep). A small daemon thread keeps the pool's
+housekeeping (``maintain``: shrinking the reserve, ``kvctl`` limit changes) going while the engine is
+idle and no step calls it; it only touches the ledger, which is thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.ranks import Coordinator, SocketTransport
+from elastic_kv.registry import PoolRecord
+from vllm_elastic_kv.block_pool import ElasticBlockPool
+from vllm_elastic_kv.compat import VersionSupport
+from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.layout import planned_geometry
+
+__all__ = ["SchedulerPool", "pool_name"]
+
+logger = logging.getLogger(__name__)
+
+_IDLE_PERIOD_S = 0.25
+_HANDSHAKE_TIMEOUT_S = 120.0
+
+
+def pool_name(vllm_config: Any) -> str:
+    """A readable default pool name: ``vllm-<served model name>`` (registry-safe characters only)."""
+    served = getattr(vllm_config.model_config, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    name = str(served or vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1]
+    return ("vllm-" + re.sub(r"[^A-Za-z0-9_.:-]", "_", name))[:48]
+
+
+def _device_name(vllm_config: Any) -> str:
+    """The registry's device key: ``cpu``, or the first GPU's UUID (stable across CUDA_VISIBLE_DEVICES)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    try:
+        return str(current_platform.get_device_uuid(0))
+    except Exception:
+        return "cuda:0"
+
+
+class SchedulerPool:
+    """See the module docstring. ``pool`` is the scheduler's block pool; it is attached to the ledger."""
+
+    def __init__(
+        self,
+        plugin: PluginConfig,
+        support: VersionSupport,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        pool: ElasticBlockPool,
+    ) -> None:
+        from vllm.platforms import current_platform
+
+        assert plugin.instance is not None
+        self.plugin = plugin
+        cfg = dataclasses.replace(plugin.elastic, defer_release=True)
+        self.geometry = planned_geometry(
+            kv_cache_config,
+            vllm_config,
+            support.kv_allocation,
+            cfg.page_size,
+            cfg.max_page_slots,
+            split_kv=current_platform.is_cuda_alike(),
+        )
+        world = vllm_config.parallel_config.world_size
+        self.transport = SocketTransport.for_instance(plugin.instance, world)
+        self.coordinator = Coordinator(self.transport, handshake_timeout=_HANDSHAKE_TIMEOUT_S)
+        if self.coordinator.num_pages != self.geometry.num_pages:
+            raise RuntimeError(
+                f"workers serve {self.coordinator.num_pages} pages, the scheduler planned "
+                f"{self.geometry.num_pages}"
+            )
+        self.record = PoolRecord.create(
+            cfg.pool_name or pool_name(vllm_config),
+            device=_device_name(vllm_config),
+            engine="vllm",
+            model=str(vllm_config.model_config.model),
+            limit_bytes=cfg.limit_bytes,
+            registry_dir=cfg.registry_dir,
+            suffix_if_taken=cfg.pool_name is None,
+        )
+        self.ledger = Ledger(self.geometry, self.coordinator, cfg, record=self.record, name=self.record.name)
+        pool.attach(self.ledger)
+        self.block_pool = pool
+        self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
+        self._dispatched = 0  # epoch of the last step handed to the workers
+        self._completed = 0  # epoch of the last step whose output the scheduler processed
+        self._last_maintain = time.monotonic()
+        self._stop = threading.Event()
+        self._idle = threading.Thread(target=self._idle_loop, name="elastic-kv-idle", daemon=True)
+        self._idle.start()
+        logger.info(
+            "elastic KV pool %r: %s; %d rank(s); limit %s",
+            self.record.name,
+            self.geometry.describe(),
+            world,
+            cfg.limit_bytes or "none",
+        )
+
+    # -- steps ------------------------------------------------------------------------------------------
+    def step_dispatched(self) -> int:
+        """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping."""
+        if self.over_limit():
+            # Memory must come back: whole pages of the prefix cache first (they hold nothing else);
+            # pages of running requests follow as they finish or are preempted.
+            self.block_pool.trim_cached()
+        epoch = self.ledger.advance_epoch()
+        self._dispatched = epoch
+        self.ledger.maintain()
+        self._last_maintain = time.monotonic()
+        return epoch
+
+    def step_completed(self, epoch: int | None, idle: bool) -> None:
+        """The output of the step of ``epoch`` was processed; ``idle``: no request is left."""
+        if epoch is not None:
+            self._completed = max(self._completed, epoch)
+        if idle:
+            self.block_pool.trim_cached(keep_pages=self.idle_cache_pages)
+        self.ledger.release_through(self._completed)
+
+    def quiesce(self) -> None:
+        """Release every pending page and the reserve when no step is in flight (sleep, cache reset)."""
+        if self._dispatched == self._completed:
+            self.ledger.release_through(self._completed)
+            self.ledger.trim()
+
+    def over_limit(self) -> bool:
+        """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
+        limit = self.record.limit_bytes
+        return bool(limit) and self.ledger.charged_bytes > limit
+
+    # -- idle housekeeping --------------------------------------------------------------------------------
+    def _idle_loop(self) -> None:
+        while not self._stop.wait(_IDLE_PERIOD_S):
+            if time.monotonic() - self._last_maintain < _IDLE_PERIOD_S:
+                continue  # steps are running: they maintain the pool
+            try:
+                completed = self._completed
+                if self._dispatched == completed:
+                    self.ledger.release_through(completed)
+                self.ledger.maintain()
+            except Exception:
+                logger.exception("elastic KV idle housekeeping failed")
+                return
+
+    def close(self) -> None:
+        """Stop housekeeping, return every page and the record (engine shutdown; best effort, idempotent)."""
+        self._stop.set()
+        if self._idle.is_alive() and threading.current_thread() is not self._idle:
+            self._idle.join(timeout=2 * _IDLE_PERIOD_S)
+        for step in (self.ledger.close, self.coordinator.close, self.transport.close, self.record.close):
+            try:
+                step()
+            except Exception:
+                logger.debug("elastic KV shutdown step %s failed", step, exc_info=True)
