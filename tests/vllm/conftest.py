@@ -11,9 +11,19 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # for `tests.support` when pytest is run without `python -m`
     sys.path.insert(0, str(REPO_ROOT))
 
 # Engines must never reach the hub; the tiny model is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, list[list[int]]]:
+    """Pure vLLM's greedy tokens for the test prompts (prefix caching "on" / "off"), computed once."""
+    from vllm_engines import reference_tokens
+
+    return reference_tokens()

@@ -164,17 +164,20 @@ class SchedulerPool:
                 if self._dispatched == completed:
                     self.ledger.release_through(completed)
                 self.ledger.maintain()
-            except Exception:
-                logger.exception("elastic KV idle housekeeping failed")
+            except Exception as exc:  # noqa: BLE001 - e.g. workers gone at shutdown; steps will report it
+                logger.warning("elastic KV idle housekeeping stopped: %s", exc)
                 return
 
     def close(self) -> None:
-        """Stop housekeeping, return every page and the record (engine shutdown; best effort, idempotent)."""
+        """Stop housekeeping and return the pool's record and charge (engine shutdown; idempotent).
+
+        vLLM shuts the executor down before the scheduler, so the workers -- and with them every backed
+        page -- are gone by now: nothing is unmapped from here."""
         self._stop.set()
         if self._idle.is_alive() and threading.current_thread() is not self._idle:
             self._idle.join(timeout=2 * _IDLE_PERIOD_S)
-        for step in (self.ledger.close, self.coordinator.close, self.transport.close, self.record.close):
+        for step in (self.transport.close, self.record.close):
             try:
                 step()
-            except Exception:
+            except Exception:  # noqa: BLE001 - shutdown continues
                 logger.debug("elastic KV shutdown step %s failed", step, exc_info=True)

@@ -18,6 +18,7 @@ map is acknowledged, so the step that first uses them never sees garbage.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,6 +174,7 @@ class WorkerPool:
         """This rank's physical state, for diagnostics (``collective_rpc("elastic_kv_info")``)."""
         group = self.group
         return {
+            "pid": os.getpid(),
             "rank": self.rank_index,
             "backend": self.backend.name,
             "mapped_pages": group.num_mapped if group is not None else 0,
