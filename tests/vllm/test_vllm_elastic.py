@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.registry_view import Registry
-
 from vllm_engines import (
     TEST_ENV,
     charged_bytes,
@@ -24,6 +22,8 @@ from vllm_engines import (
     sampling,
     wait_for,
 )
+
+from elastic_kv.registry_view import Registry
 
 pytestmark = pytest.mark.vllm
 

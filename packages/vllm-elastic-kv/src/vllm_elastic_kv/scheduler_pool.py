@@ -164,7 +164,7 @@ class SchedulerPool:
                 if self._dispatched == completed:
                     self.ledger.release_through(completed)
                 self.ledger.maintain()
-            except Exception as exc:  # noqa: BLE001 - e.g. workers gone at shutdown; steps will report it
+            except Exception as exc:
                 logger.warning("elastic KV idle housekeeping stopped: %s", exc)
                 return
 
@@ -179,5 +179,5 @@ class SchedulerPool:
         for step in (self.transport.close, self.record.close):
             try:
                 step()
-            except Exception:  # noqa: BLE001 - shutdown continues
+            except Exception:
                 logger.debug("elastic KV shutdown step %s failed", step, exc_info=True)
