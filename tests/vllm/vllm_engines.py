@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +155,8 @@ def sampling(probe: Callable[[], int], period: float = 0.02) -> Iterator[list[in
 
     def loop() -> None:
         while not stop.is_set():
-            try:
+            with suppress(Exception):
                 samples.append(probe())
-            except Exception:
-                pass
             stop.wait(period)
 
     thread = threading.Thread(target=loop, daemon=True)
