@@ -22,9 +22,10 @@ ledger.
 
 Admission (:meth:`admission`, used by ``ElasticKVCacheManager.allocate_slots``) makes pool exhaustion a
 scheduler miss without any rollback: before vLLM checks whether a request fits, the pool makes sure that
-as many blocks as the call can possibly take are backed (mapping now if needed). If they cannot be, the
-pool reports only what is backed for the rest of the call, so vLLM's own check returns ``None`` and the
-scheduler preempts or waits -- exactly as with a full native pool -- before anything was changed.
+as many blocks as the call can possibly take are backed (mapping now if needed). If they cannot all be,
+it backs what the physical headroom allows and reports exactly what is backed for the rest of the call,
+so vLLM's own check returns ``None`` when the request does not fit and the scheduler preempts or waits --
+exactly as with a full native pool -- before anything was changed.
 
 Trimming (:meth:`trim_cached`) returns memory held by the prefix cache: it evicts cached blocks only from
 pages whose every live block is a cached one, least recently used pages first, because evicting a cached
@@ -114,11 +115,12 @@ class ElasticBlockPool(BlockPool):
         ledger = self.ledger
         assert ledger is not None and not self._stash and not self._strict
         if ledger.free_backed_blocks + self.free_block_queue.num_free_blocks < bound:
-            ids = ledger.alloc(bound)
-            if ids is None:
-                self._strict = True
-            else:
-                self._stash = ids
+            # Back what the bound asks for, or as much of it as the physical headroom allows; in the
+            # second case vLLM's check must see exactly what is backed.
+            want = min(bound, ledger.available_size())
+            ids = ledger.alloc(want) if want > 0 else []
+            self._stash = ids or []
+            self._strict = ids is None or want < bound
         try:
             yield
         finally:

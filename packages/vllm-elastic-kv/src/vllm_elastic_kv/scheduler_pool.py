@@ -10,9 +10,10 @@ are serving their ranks by then) and wires:
 * the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
 
-Epochs: :meth:`step_dispatched` after each ``schedule()`` starts an epoch; :meth:`step_completed` when the
-scheduler processes that step's output releases pages emptied up to it. :meth:`quiesce` releases every
-pending page when no step is in flight (idle engine, sleep). A small daemon thread keeps the pool's
+Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
+epoch; :meth:`SchedulerPool.step_completed` when the scheduler processes that step's output releases pages
+emptied up to it; :meth:`SchedulerPool.quiesce` releases every pending page when no step is in flight
+(idle engine, sleep). A small daemon thread keeps the pool's
 housekeeping (``maintain``: shrinking the reserve, ``kvctl`` limit changes) going while the engine is
 idle and no step calls it; it only touches the ledger, which is thread-safe.
 """
@@ -34,7 +35,7 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import planned_geometry
 
-__all__ = ["SchedulerPool", "pool_name"]
+__all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,49 @@ def _device_name(vllm_config: Any) -> str:
         return str(current_platform.get_device_uuid(0))
     except Exception:
         return "cuda:0"
+
+
+class StepEpochs:
+    """When pages emptied by the scheduler may really be released (the async-scheduling barrier).
+
+    The ledger runs with ``defer_release``: a page emptied in epoch ``E`` stays backed until
+    ``release_through(E)``. Epoch ``E`` starts when step ``E`` is dispatched (after vLLM's ``schedule``
+    allocated its blocks), so a page emptied while steps up to ``E`` may be in flight -- a preempted
+    request's blocks during ``schedule``, a finished request's blocks in ``update_from_output`` of step
+    ``E - 1`` while step ``E`` (scheduled before that output was seen, with the request still in it) runs
+    -- carries ``E``, and is released only once step ``E``'s output has been processed, i.e. once the
+    device work that may read it is over. Synchronous scheduling is the special case where no step is in
+    flight when blocks are freed, so release is immediate.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self.dispatched = 0  # epoch of the last step handed to the workers
+        self.completed = 0  # epoch of the last step whose output the scheduler processed
+
+    @property
+    def in_flight(self) -> bool:
+        """True while some dispatched step's output has not been processed."""
+        return self.dispatched != self.completed
+
+    def step_dispatched(self) -> int:
+        """A step was scheduled: start its epoch and return it."""
+        self.dispatched = self._ledger.advance_epoch()
+        return self.dispatched
+
+    def step_completed(self, epoch: int | None) -> None:
+        """The output of the step of ``epoch`` was processed: release what only earlier work could read."""
+        if epoch is not None:
+            self.completed = max(self.completed, epoch)
+        self._ledger.release_through(self.completed)
+
+    def quiesce(self) -> bool:
+        """Release every pending page if no step is in flight; False (nothing done) otherwise."""
+        completed = self.completed
+        if self.dispatched != completed:
+            return False
+        self._ledger.release_through(completed)
+        return True
 
 
 class SchedulerPool:
@@ -108,8 +152,7 @@ class SchedulerPool:
         pool.attach(self.ledger)
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
-        self._dispatched = 0  # epoch of the last step handed to the workers
-        self._completed = 0  # epoch of the last step whose output the scheduler processed
+        self.epochs = StepEpochs(self.ledger)
         self._last_maintain = time.monotonic()
         self._stop = threading.Event()
         self._idle = threading.Thread(target=self._idle_loop, name="elastic-kv-idle", daemon=True)
@@ -129,24 +172,20 @@ class SchedulerPool:
             # Memory must come back: whole pages of the prefix cache first (they hold nothing else);
             # pages of running requests follow as they finish or are preempted.
             self.block_pool.trim_cached()
-        epoch = self.ledger.advance_epoch()
-        self._dispatched = epoch
+        epoch = self.epochs.step_dispatched()
         self.ledger.maintain()
         self._last_maintain = time.monotonic()
         return epoch
 
     def step_completed(self, epoch: int | None, idle: bool) -> None:
         """The output of the step of ``epoch`` was processed; ``idle``: no request is left."""
-        if epoch is not None:
-            self._completed = max(self._completed, epoch)
         if idle:
             self.block_pool.trim_cached(keep_pages=self.idle_cache_pages)
-        self.ledger.release_through(self._completed)
+        self.epochs.step_completed(epoch)
 
     def quiesce(self) -> None:
         """Release every pending page and the reserve when no step is in flight (sleep, cache reset)."""
-        if self._dispatched == self._completed:
-            self.ledger.release_through(self._completed)
+        if self.epochs.quiesce():
             self.ledger.trim()
 
     def over_limit(self) -> bool:
@@ -160,9 +199,7 @@ class SchedulerPool:
             if time.monotonic() - self._last_maintain < _IDLE_PERIOD_S:
                 continue  # steps are running: they maintain the pool
             try:
-                completed = self._completed
-                if self._dispatched == completed:
-                    self.ledger.release_through(completed)
+                self.epochs.quiesce()
                 self.ledger.maintain()
             except Exception as exc:
                 logger.warning("elastic KV idle housekeeping stopped: %s", exc)
