@@ -98,16 +98,7 @@ def reference_tokens() -> dict[str, list[list[int]]]:
     cache = REPO_ROOT / ".cache" / f"vllm-reference-{_reference_key()}.json"
     if cache.exists():
         return json.loads(cache.read_text())  # type: ignore[no-any-return]
-    env = {**os.environ, "VLLM_PLUGINS": "", "HF_HUB_OFFLINE": "1"}
-    env.pop("ELASTIC_KV_BACKEND", None)
-    log = REPO_ROOT / ".cache" / "vllm-reference.log"
-    with open(log, "w") as err:
-        done = subprocess.run(
-            [sys.executable, __file__, "reference"], env=env, stdout=subprocess.PIPE, stderr=err, timeout=900
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the native reference run failed (see {log})")
-    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    result = run_script("reference", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})
     cache.write_text(json.dumps(result))
     return result  # type: ignore[no-any-return]
 
@@ -168,16 +159,60 @@ def sampling(probe: Callable[[], int], period: float = 0.02) -> Iterator[list[in
         thread.join()
 
 
-def _main() -> None:
+def run_script(mode: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run this file in ``mode`` in a fresh interpreter with ``env`` added; its last stdout line as JSON."""
+    log = REPO_ROOT / ".cache" / f"vllm-{mode}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        done = subprocess.run(
+            [sys.executable, __file__, mode],
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            timeout=900,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} run failed (see {log})")
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _reference() -> dict[str, Any]:
     from vllm import LLM
 
-    results: dict[str, list[list[int]]] = {}
+    results: dict[str, Any] = {}
     for caching in ("on", "off"):
         llm = LLM(**engine_kwargs(enable_prefix_caching=caching == "on"))
         results[caching] = generate(llm)
+        llm.llm_engine.engine_core.shutdown()
         del llm
-    print(json.dumps(results), flush=True)
+    return results
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["reference"]:
-    _main()
+def _installed_not_enabled() -> dict[str, Any]:
+    """The plugin installed, not enabled, engine core and worker in this process: what ran?"""
+    from vllm import LLM
+    from vllm_elastic_kv import compat
+
+    llm = LLM(**engine_kwargs(enable_prefix_caching=True))
+    tokens = generate(llm)
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager
+    worker = core.model_executor.driver_worker.worker
+    return {
+        "tokens": tokens,
+        "classes": [
+            f"{type(o).__module__}.{type(o).__qualname__}"
+            for o in (core.scheduler, manager, manager.block_pool, worker)
+        ],
+        "patched": compat.patched_symbols(),
+        "additional_config": core.vllm_config.additional_config,
+        "plugins": sorted(
+            __import__("vllm.plugins", fromlist=["x"]).load_plugins_by_group("vllm.general_plugins")
+        ),
+    }
+
+
+_MODES = {"reference": _reference, "installed-not-enabled": _installed_not_enabled}
+
+if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1] in _MODES:
+    print(json.dumps(_MODES[sys.argv[1]]()), flush=True)
