@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from vllm_engines import TEST_ENV, charged_bytes, engine_kwargs, generate, pool_snapshot, wait_for
 
 pytestmark = pytest.mark.vllm

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from vllm_engines import run_script
 
 pytestmark = pytest.mark.vllm

