@@ -28,6 +28,8 @@ _TOKEN_ARGS = ("num_new_tokens", "num_lookahead_tokens", "num_external_computed_
 # Positions of those parameters after (self, request) in this vLLM's allocate_slots.
 _PARAMS = list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:]
 _POSITIONS = {name: _PARAMS.index(name) for name in _TOKEN_ARGS if name in _PARAMS}
+# Keyword arguments of the decode-path call that do not change the bound beyond num_lookahead_tokens.
+_FAST_KWARGS = frozenset({"num_lookahead_tokens"}) if _PARAMS[:1] == ["num_new_tokens"] else frozenset()
 
 
 def admission_bound(block_sizes: list[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -51,5 +53,14 @@ class ElasticKVCacheManager(KVCacheManager):
         pool = self.block_pool
         if not isinstance(pool, ElasticBlockPool) or pool.ledger is None:
             return super().allocate_slots(request, *args, **kwargs)
-        with pool.admission(admission_bound(self._block_sizes, args, kwargs)):
+        ledger = pool.ledger
+        if len(args) == 1 and _FAST_KWARGS.issuperset(kwargs):
+            # The scheduler's running-request call: allocate_slots(request, n, num_lookahead_tokens=k).
+            tokens = args[0] + kwargs.get("num_lookahead_tokens", 0)
+            bound = sum(-(-tokens // size) + 2 for size in self._block_sizes)
+        else:
+            bound = admission_bound(self._block_sizes, args, kwargs)
+        if ledger.free_backed_blocks + pool.free_block_queue.num_free_blocks >= bound:
+            return super().allocate_slots(request, *args, **kwargs)  # backed already: nothing to do
+        with pool.admission(bound):
             return super().allocate_slots(request, *args, **kwargs)

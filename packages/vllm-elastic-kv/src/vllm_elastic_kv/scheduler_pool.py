@@ -25,6 +25,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from elastic_kv.ledger import KVCacheManager as Ledger
@@ -35,7 +36,7 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import planned_geometry
 
-__all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
+__all__ = ["CountingMapper", "SchedulerPool", "StepEpochs", "pool_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,25 @@ def _device_name(vllm_config: Any) -> str:
         return str(current_platform.get_device_uuid(0))
     except Exception:
         return "cuda:0"
+
+
+class CountingMapper:
+    """The coordinator as the ledger's mapper, counting the requests (each one reaches the workers'
+    driver): the scheduler reports how many steps needed one."""
+
+    def __init__(self, inner: Coordinator) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def map(self, pages: Sequence[int]) -> None:
+        """Back ``pages`` on every rank (see ``Coordinator.map``)."""
+        self.calls += 1
+        self.inner.map(pages)
+
+    def unmap(self, pages: Sequence[int]) -> None:
+        """Release ``pages`` on every rank (see ``Coordinator.unmap``)."""
+        self.calls += 1
+        self.inner.unmap(pages)
 
 
 class StepEpochs:
@@ -148,11 +168,15 @@ class SchedulerPool:
             registry_dir=cfg.registry_dir,
             suffix_if_taken=cfg.pool_name is None,
         )
-        self.ledger = Ledger(self.geometry, self.coordinator, cfg, record=self.record, name=self.record.name)
+        self.mapper = CountingMapper(self.coordinator)
+        self.ledger = Ledger(self.geometry, self.mapper, cfg, record=self.record, name=self.record.name)
         pool.attach(self.ledger)
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
+        self.steps = 0  # steps dispatched
+        self.driver_steps = 0  # of which some map/unmap reached the workers since the previous one
+        self._calls_seen = 0
         self._last_maintain = time.monotonic()
         self._stop = threading.Event()
         self._idle = threading.Thread(target=self._idle_loop, name="elastic-kv-idle", daemon=True)
@@ -175,6 +199,10 @@ class SchedulerPool:
         epoch = self.epochs.step_dispatched()
         self.ledger.maintain()
         self._last_maintain = time.monotonic()
+        self.steps += 1
+        if self.mapper.calls != self._calls_seen:
+            self._calls_seen = self.mapper.calls
+            self.driver_steps += 1
         return epoch
 
     def step_completed(self, epoch: int | None, idle: bool) -> None:
