@@ -21,7 +21,9 @@ idle and no step calls it; it only touches the ledger, which is thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import queue
 import re
 import threading
 import time
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.mapper import MapResult
 from elastic_kv.ranks import Coordinator, SocketTransport
 from elastic_kv.registry import PoolRecord
 from vllm_elastic_kv.block_pool import ElasticBlockPool
@@ -36,7 +39,7 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import planned_geometry
 
-__all__ = ["CountingMapper", "SchedulerPool", "StepEpochs", "pool_name"]
+__all__ = ["CoordinatorMapper", "SchedulerPool", "StepEpochs", "pool_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +68,66 @@ def _device_name(vllm_config: Any) -> str:
         return "cuda:0"
 
 
-class CountingMapper:
-    """The coordinator as the ledger's mapper, counting the requests (each one reaches the workers'
-    driver): the scheduler reports how many steps needed one."""
+class CoordinatorMapper:
+    """The coordinator as the ledger's :class:`~elastic_kv.mapper.AsyncPageMapper`.
+
+    Synchronous ``map``/``unmap`` run on the caller's thread (the scheduler's: an allocation that cannot
+    wait); they are counted, because each one makes the step wait for the workers' driver. ``map_async``
+    hands pre-mapping of the reserve to one background thread, so growth ahead of demand never blocks a
+    step: the ledger collects finished jobs with ``collect()`` (never blocking) and may wait for a running
+    one only when an allocation needs its pages. The coordinator serializes calls, so a synchronous map
+    waits for at most one background call in progress.
+    """
 
     def __init__(self, inner: Coordinator) -> None:
         self.inner = inner
-        self.calls = 0
+        self.calls = 0  # synchronous map/unmap requests (the scheduler thread waited for the driver)
+        self.async_jobs = 0
+        self._jobs: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[MapResult] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._serve, name="elastic-kv-premap", daemon=True)
+        self._thread.start()
 
     def map(self, pages: Sequence[int]) -> None:
-        """Back ``pages`` on every rank (see ``Coordinator.map``)."""
+        """Back ``pages`` on every rank now (see ``Coordinator.map``)."""
         self.calls += 1
         self.inner.map(pages)
 
     def unmap(self, pages: Sequence[int]) -> None:
-        """Release ``pages`` on every rank (see ``Coordinator.unmap``)."""
+        """Release ``pages`` on every rank now (see ``Coordinator.unmap``)."""
         self.calls += 1
         self.inner.unmap(pages)
+
+    def map_async(self, pages: Sequence[int]) -> int:
+        """Queue an all-or-nothing map of ``pages`` on the background thread; returns the job id."""
+        job = next(self._ids)
+        self.async_jobs += 1
+        self._jobs.put((job, list(pages)))
+        return job
+
+    def collect(self) -> list[MapResult]:
+        """Jobs finished since the last call: ``(job, pages, None | error text)``; never blocks."""
+        out: list[MapResult] = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, pages = item
+            try:
+                self.inner.map(pages)
+                self._done.put((job, pages, None))
+            except Exception as exc:  # reported to the ledger, which undoes the job
+                self._done.put((job, pages, f"{type(exc).__name__}: {exc}"))
+
+    def close(self) -> None:
+        """Stop the background thread after the job in progress."""
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
 
 
 class StepEpochs:
@@ -168,14 +214,14 @@ class SchedulerPool:
             registry_dir=cfg.registry_dir,
             suffix_if_taken=cfg.pool_name is None,
         )
-        self.mapper = CountingMapper(self.coordinator)
+        self.mapper = CoordinatorMapper(self.coordinator)
         self.ledger = Ledger(self.geometry, self.mapper, cfg, record=self.record, name=self.record.name)
         pool.attach(self.ledger)
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
         self.steps = 0  # steps dispatched
-        self.driver_steps = 0  # of which some map/unmap reached the workers since the previous one
+        self.driver_steps = 0  # of which the scheduler thread waited for a map/unmap since the previous
         self._calls_seen = 0
         self._last_maintain = time.monotonic()
         self._stop = threading.Event()
@@ -241,7 +287,7 @@ class SchedulerPool:
         self._stop.set()
         if self._idle.is_alive() and threading.current_thread() is not self._idle:
             self._idle.join(timeout=2 * _IDLE_PERIOD_S)
-        for step in (self.transport.close, self.record.close):
+        for step in (self.mapper.close, self.transport.close, self.record.close):
             try:
                 step()
             except Exception:
