@@ -109,20 +109,38 @@ def planned_geometry(
     )
 
 
-def view_families(view: torch.Tensor, space: int, space_base: int, num_blocks: int) -> list[BlockFamily]:
-    """The bytes each block owns in ``view`` (a per-layer KV cache tensor over space ``space``).
+def _block_axis(view: torch.Tensor, num_blocks: int, kv_allocation: str) -> int:
+    """The dimension of a per-layer KV view that indexes blocks.
 
-    The block axis is the one dimension whose size is a multiple ``num_blocks * r`` of the block count
-    (``r > 1`` when vLLM splits a block into ``r`` kernel blocks); ConfigError if none or several qualify.
+    vLLM >= 0.29 views every layer as ``[B, H, N, C]`` (``create_kv_cache_views``): dimension 0, of size
+    ``num_blocks`` times the kernel blocks per block. In 0.26-0.28 the attention backend shapes the view;
+    every backend puts the block axis first or second (``(num_blocks, 2, ...)``, ``(2, num_blocks, ...)``).
     """
-    es = view.element_size()
-    candidates = [d for d, n in enumerate(view.shape) if n >= num_blocks and n % num_blocks == 0]
+    if kv_allocation == "one_buffer":
+        if view.shape[0] % num_blocks:
+            raise ConfigError(
+                f"vllm-elastic-kv: KV view {tuple(view.shape)} does not start with {num_blocks} blocks"
+            )
+        return 0
+    candidates = [d for d in (0, 1) if d < view.dim() and view.shape[d] == num_blocks]
     if len(candidates) != 1:
         raise ConfigError(
-            f"vllm-elastic-kv cannot find the block axis of a KV cache view of shape {tuple(view.shape)} "
-            f"({num_blocks} blocks)"
+            f"vllm-elastic-kv cannot tell the block axis of the KV cache view {tuple(view.shape)} "
+            f"({num_blocks} blocks): this attention backend's layout is not supported"
         )
-    dim = candidates[0]
+    return candidates[0]
+
+
+def view_families(
+    view: torch.Tensor, space: int, space_base: int, num_blocks: int, kv_allocation: str = "one_buffer"
+) -> list[BlockFamily]:
+    """The bytes each block owns in ``view`` (a per-layer KV cache tensor over space ``space``).
+
+    A block axis of size ``num_blocks * r`` (``r > 1`` when vLLM splits a block into ``r`` kernel blocks)
+    counts ``r`` consecutive kernel blocks as one block.
+    """
+    es = view.element_size()
+    dim = _block_axis(view, num_blocks, kv_allocation)
     ratio = view.shape[dim] // num_blocks
     axes = [(n, s * es) for d, (n, s) in enumerate(zip(view.shape, view.stride(), strict=True)) if d != dim]
     axes.append((ratio, view.stride(dim) * es))
@@ -138,6 +156,7 @@ def observed_geometry(
     num_blocks: int,
     page_size: int,
     blocks_per_page: int,
+    kv_allocation: str = "one_buffer",
 ) -> BlockGeometry:
     """The geometry of the tensors vLLM bound to its attention layers (``views``; layers that share a
     cache may repeat a view), over spaces starting at ``space_bases``."""
@@ -158,7 +177,7 @@ def observed_geometry(
                 "vllm-elastic-kv: an attention layer's KV cache is not inside the elastic KV space "
                 "(vLLM allocated it some other way)"
             )
-        families += view_families(view, space, space_bases[space], num_blocks)
+        families += view_families(view, space, space_bases[space], num_blocks, kv_allocation)
     return BlockGeometry(space_sizes, families, num_blocks, page_size, blocks_per_page=blocks_per_page)
 
 

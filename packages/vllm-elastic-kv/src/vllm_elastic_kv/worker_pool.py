@@ -152,6 +152,7 @@ class WorkerPool:
             self.kv_cache_config.num_blocks,
             self.plugin.elastic.page_size,
             self.planned.blocks_per_page,
+            self.support.kv_allocation,
         )
         check_plan(self.planned, observed)
         self.geometry = observed
