@@ -1,9 +1,10 @@
 """Round-trip latency of the ranks protocol: one-page map and unmap to 1, 2 and 4 ranks, per transport,
 against the data-plane call alone. Not a test; prints a table (and JSON with --json).
 
-    python benchmarks/ranks_latency.py [--iters 2000] [--ranks 1 2 4] [--json out.json]
+    python benchmarks/ranks_latency.py [--iters 2000] [--ranks 1 2 4] [--json out.json] [--backend cuda:2]
 
-Every rank serves a real ``SpaceGroup`` on the host backend (a handle pool keeps handles, as in production).
+Every rank serves a real ``SpaceGroup`` (host backend, or ``--backend cuda:N``: rank r on GPU r % N) with a
+handle pool that keeps handles, as in production.
 Transports: ``inproc`` (direct call, all ranks in this process), ``socket`` (one process per rank, Unix
 sockets), ``pipe-rpc`` (one process per rank, an all-or-nothing broadcast over multiprocessing pipes: the
 shape of an engine's worker RPC). ``dataplane`` is ``SpaceGroup.map``/``unmap`` called directly, once.
@@ -42,9 +43,16 @@ from elastic_kv.ranks import (
 NUM_PAGES = 64
 
 
-def make_rank(r: int) -> tuple[Rank, Any]:
-    """A rank serving one pool of NUM_PAGES host pages; returns it and the objects to keep alive."""
-    backend = _vmm.HostBackend()
+def make_backend(spec: str, r: int) -> Any:
+    """``host``, or ``cuda:N`` (rank r on GPU r % N)."""
+    if spec == "host":
+        return _vmm.HostBackend()
+    return _vmm.CudaBackend(r % int(spec.split(":")[1]))
+
+
+def make_rank(r: int, spec: str = "host") -> tuple[Rank, Any]:
+    """A rank serving one pool of NUM_PAGES pages; returns it and the objects to keep alive."""
+    backend = make_backend(spec, r)
     page = backend.granularity
     pool = _vmm.HandlePool(backend, NUM_PAGES * page)
     space = _vmm.TensorSpace(backend, NUM_PAGES * page, page)
@@ -54,8 +62,8 @@ def make_rank(r: int) -> tuple[Rank, Any]:
     return rank, (backend, pool, space, group)
 
 
-def serve(r: int, kind: str, address: str, ready: Any, conn: Any) -> None:
-    rank, _keep = make_rank(r)
+def serve(r: int, kind: str, address: str, ready: Any, conn: Any, spec: str) -> None:
+    rank, _keep = make_rank(r, spec)
     if kind == "socket":
         listener = SocketListener(rank, address)
         ready.send(True)
@@ -97,7 +105,7 @@ def measure(c: Coordinator | None, group: Any, iters: int) -> dict[str, list[flo
     return {"map": maps, "unmap": unmaps}
 
 
-def run_processes(kind: str, n: int, iters: int) -> dict[str, list[float]]:
+def run_processes(kind: str, n: int, iters: int, spec: str) -> dict[str, list[float]]:
     ctx = multiprocessing.get_context("spawn")
     instance = new_instance_name()
     paths = [socket_path(instance, r) for r in range(n)]
@@ -106,7 +114,7 @@ def run_processes(kind: str, n: int, iters: int) -> dict[str, list[float]]:
         ready_parent, ready_child = ctx.Pipe()
         conn_parent, conn_child = ctx.Pipe()
         p = ctx.Process(
-            target=serve, args=(r, kind, os.fspath(paths[r]), ready_child, conn_child), daemon=True
+            target=serve, args=(r, kind, os.fspath(paths[r]), ready_child, conn_child, spec), daemon=True
         )
         p.start()
         procs.append(p)
@@ -144,6 +152,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--backend", default="host", help="host, or cuda:N (rank r on GPU r %% N)")
     args = parser.parse_args()
 
     results: list[dict[str, Any]] = []
@@ -158,15 +167,18 @@ def main() -> None:
                 flush=True,
             )
 
-    _rank, keep = make_rank(0)
+    _rank, keep = make_rank(0, args.backend)
     record("dataplane", 1, measure(None, keep[3], args.iters))
+    del _rank, keep
     for n in args.ranks:
-        ranks = [make_rank(r) for r in range(n)]
+        ranks = [make_rank(r, args.backend) for r in range(n)]
         transport = InProcessTransport([r for r, _ in ranks])
         record("inproc", n, measure(Coordinator(transport), None, args.iters))
     for kind in ("socket", "pipe-rpc"):
         for n in args.ranks:
-            record(kind, n, run_processes("socket" if kind == "socket" else "pipe", n, args.iters))
+            record(
+                kind, n, run_processes("socket" if kind == "socket" else "pipe", n, args.iters, args.backend)
+            )
     print(f"(host: {os.cpu_count()} CPUs; threads alive: {threading.active_count()})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -12,6 +12,7 @@ Then it drives a :class:`Coordinator` over :class:`BroadcastTransport` wrapping 
 protocol on the engine's channel, which is what the vLLM adapter will do.
 
     python benchmarks/ranks_vllm_rpc.py [--iters 2000] [--tp 1]
+    VLLM_CPU_OMP_THREADS_BIND="0|1" python benchmarks/ranks_vllm_rpc.py --tp 2   # two workers on one NUMA node
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def main() -> None:
         distributed_executor_backend=args.executor,
         worker_extension_cls="ranks_vllm_rpc.RankExtension",
     )
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the client is an InprocClient around the EngineCore itself.
+    executor = llm.llm_engine.engine_core.engine_core.model_executor  # type: ignore[attr-defined]
     rpc = executor.collective_rpc
     payload = b"x" * 48  # the size of a one-page MAP request
 

@@ -16,14 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from pytest_benchmark.fixture import BenchmarkFixture
-
 import elastic_kv.registry
+import pytest
 from elastic_kv.registry import PoolRecord
 from elastic_kv.registry_layout import SNAPSHOT_INT_FIELDS
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot, PoolState
+from pytest_benchmark.fixture import BenchmarkFixture
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -131,3 +130,9 @@ def test_scan_of_four_pools(benchmark: BenchmarkFixture, directory: Path, pools:
     """What one kvctl refresh or metrics scrape costs (reclaim pass included)."""
     registry = Registry(directory)
     benchmark(registry.pools)
+
+
+def test_headroom_when_the_budget_binds(benchmark: BenchmarkFixture, pools: list[PoolRecord]) -> None:
+    """headroom_bytes on a device whose budget is the tighter bound: it probes the other owners."""
+    Registry(pools[0].path.parent).set_budget("cuda:0", 64 * PAGE)
+    benchmark(lambda: pools[0].headroom_bytes)

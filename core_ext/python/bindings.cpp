@@ -1,8 +1,8 @@
 // elastic_kv._vmm: the pybind11 face of the data plane.
 //
 // Contract (docs/ARCHITECTURE.md, "Data plane"): every call that may reach the driver releases the GIL; C++
-// exception types map one-to-one onto Python types (errors.hpp); tensors leave as DLPack capsules, so the module
-// links neither torch nor libcuda. Background threads of the data plane never call into Python.
+// exception types map one-to-one onto Python types (errors.hpp); tensors leave as DLPack capsules, so the
+// module links neither torch nor libcuda. Background threads of the data plane never call into Python.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -29,6 +29,16 @@ using namespace elastic_kv;  // NOLINT(build/namespaces): binding code names eve
 namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
+
+// A getter that drops the GIL while it waits for an object's mutex: a group's mutex can be held for a whole
+// driver batch by another thread (which never needs the GIL), and other Python threads must not stall on us.
+template <class T, class R>
+auto unlocked(R (T::*getter)() const) {
+  return [getter](const T& self) {
+    py::gil_scoped_release release;
+    return (self.*getter)();
+  };
+}
 
 // Python exception classes, looked up once at import (they live as long as the interpreter).
 struct ErrorTypes {
@@ -66,12 +76,13 @@ void init_errors(py::module_& m) {
   t.pool_exhausted = py::object(errors.attr("PoolExhausted")).release().ptr();
   t.state_consistency = py::object(errors.attr("StateConsistencyError")).release().ptr();
   t.config = py::object(errors.attr("ConfigError")).release().ptr();
-  t.backend = PyErr_NewExceptionWithDoc(
-      "elastic_kv._vmm.BackendError",
-      "A driver call failed for a reason other than memory; the operation was rolled back and state is unchanged.",
-      PyExc_RuntimeError, nullptr);
+  t.backend = PyErr_NewExceptionWithDoc("elastic_kv._vmm.BackendError",
+                                        "A driver call failed for a reason other than memory; the operation "
+                                        "was rolled back and state is unchanged.",
+                                        PyExc_RuntimeError, nullptr);
   if (t.backend == nullptr) throw py::error_already_set();
-  m.attr("BackendError") = py::handle(t.backend);  // the module keeps its own reference; ours is never dropped
+  m.attr("BackendError") =
+      py::handle(t.backend);  // the module keeps its own reference; ours is never dropped
   py::handle(t.backend).inc_ref();
   py::register_exception_translator(&translate);
 }
@@ -105,8 +116,8 @@ const char* page_state_name(PageState s) {
   }
 }
 
-std::vector<ExtentSpec> to_extents(const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t,
-                                                                std::int64_t>>& raw) {
+std::vector<ExtentSpec> to_extents(
+    const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>>& raw) {
   std::vector<ExtentSpec> out;
   for (const auto& [space, base, step, length] : raw) {
     if (space < 0 || base < 0 || step < 0 || length < 0) {
@@ -124,8 +135,8 @@ std::size_t non_negative(std::int64_t v, const char* what) {
 }
 
 void bind_backends(py::module_& m) {
-  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend",
-                                                "A virtual-memory backend (see HostBackend, CudaBackend, ...).")
+  py::class_<Backend, std::shared_ptr<Backend>>(
+      m, "Backend", "A virtual-memory backend (see HostBackend, CudaBackend, ...).")
       .def_property_readonly("name", &Backend::name)
       .def_property_readonly("device", [](const Backend& b) { return device_tuple(b.device()); })
       .def_property_readonly("granularity", &Backend::granularity)
@@ -134,23 +145,27 @@ void bind_backends(py::module_& m) {
       .def_property_readonly("live_bytes", &Backend::live_bytes)
       .def_property_readonly("live_reservations", &Backend::live_reservations)
       .def_property_readonly("cleanup_failures", &Backend::cleanup_failures)
-      .def("calls", [](const Backend& b, const std::string& op) { return b.calls(op_from_name(op)); },
-           py::arg("op"))
-      .def("mem_info",
-           [](Backend& b) {
-             const MemInfo info = b.mem_info();
-             return std::make_pair(info.free, info.total);
-           },
-           Release())
+      .def(
+          "calls", [](const Backend& b, const std::string& op) { return b.calls(op_from_name(op)); },
+          py::arg("op"))
+      .def(
+          "mem_info",
+          [](Backend& b) {
+            const MemInfo info = b.mem_info();
+            return std::make_pair(info.free, info.total);
+          },
+          Release())
       .def("synchronize", &Backend::synchronize, Release())
       .def("__repr__", [](const Backend& b) {
-        return "<elastic_kv._vmm." + b.name() + " backend, granularity " + std::to_string(b.granularity()) + ">";
+        return "<elastic_kv._vmm." + b.name() + " backend, granularity " + std::to_string(b.granularity()) +
+               ">";
       });
 
   py::class_<HostBackend, Backend, std::shared_ptr<HostBackend>>(m, "HostBackend")
       .def(py::init([](std::int64_t granularity, std::int64_t physical_budget, bool multi_unmap) {
              return std::make_shared<HostBackend>(non_negative(granularity, "granularity"),
-                                                  non_negative(physical_budget, "physical_budget"), multi_unmap);
+                                                  non_negative(physical_budget, "physical_budget"),
+                                                  multi_unmap);
            }),
            py::arg("granularity") = 0, py::arg("physical_budget") = 0, py::arg("multi_unmap") = true)
       .def_property_readonly("physical_budget", &HostBackend::physical_budget)
@@ -171,26 +186,37 @@ void bind_backends(py::module_& m) {
            py::arg("device") = 0, py::arg("library") = "libamdhip64.so", py::arg("multi_unmap") = py::none(),
            Release());
 
-  py::class_<FaultInjectingBackend, Backend, std::shared_ptr<FaultInjectingBackend>>(m, "FaultInjectingBackend")
+  py::class_<FaultInjectingBackend, Backend, std::shared_ptr<FaultInjectingBackend>>(m,
+                                                                                     "FaultInjectingBackend")
       .def(py::init<std::shared_ptr<Backend>>(), py::arg("inner"))
       .def_property_readonly("inner", &FaultInjectingBackend::inner)
       .def(
           "fail",
-          [](FaultInjectingBackend& b, const std::string& op, long nth, long times, const std::string& error) {
+          [](FaultInjectingBackend& b, const std::string& op, long nth, long times,
+             const std::string& error) {
             if (error != "oom" && error != "error") throw InvalidArgument("error must be 'oom' or 'error'");
             b.arm(op_from_name(op), nth, times, error == "oom");
           },
           py::arg("op"), py::arg("nth") = 1, py::arg("times") = 1, py::arg("error") = "oom")
+      .def(
+          "delay",
+          [](FaultInjectingBackend& b, const std::string& op, double seconds) {
+            if (!(seconds >= 0)) throw InvalidArgument("a delay must be non-negative");
+            b.set_delay(op_from_name(op), static_cast<long>(seconds * 1e6));
+          },
+          py::arg("op"), py::arg("seconds"))
       .def("clear", &FaultInjectingBackend::disarm)
-      .def("injected", [](const FaultInjectingBackend& b, const std::string& op) {
-        return b.injected(op_from_name(op));
-      }, py::arg("op"));
+      .def(
+          "injected",
+          [](const FaultInjectingBackend& b, const std::string& op) { return b.injected(op_from_name(op)); },
+          py::arg("op"));
 }
 
 void bind_pool(py::module_& m) {
   py::class_<HandlePool, std::shared_ptr<HandlePool>>(m, "HandlePool")
       .def(py::init([](std::shared_ptr<Backend> backend, std::int64_t max_cached_bytes) {
-             return std::make_shared<HandlePool>(std::move(backend), non_negative(max_cached_bytes, "max_cached_bytes"));
+             return std::make_shared<HandlePool>(std::move(backend),
+                                                 non_negative(max_cached_bytes, "max_cached_bytes"));
            }),
            py::arg("backend"), py::arg("max_cached_bytes"))
       .def_property_readonly("backend", &HandlePool::backend)
@@ -229,22 +255,24 @@ void bind_space(py::module_& m) {
       .def_property_readonly("size", &TensorSpace::size)
       .def_property_readonly("page_size", &TensorSpace::page_size)
       .def_property_readonly("num_slots", &TensorSpace::num_slots)
-      .def_property_readonly("consistent", &TensorSpace::consistent)
-      .def_property_readonly("error", &TensorSpace::error)
-      .def_property_readonly("quarantined_units", &TensorSpace::quarantined_units)
+      .def_property_readonly("consistent", unlocked(&TensorSpace::consistent))
+      .def_property_readonly("error", unlocked(&TensorSpace::error))
+      .def_property_readonly("quarantined_units", unlocked(&TensorSpace::quarantined_units))
       .def(
           "slot_state",
           [](const TensorSpace& s, std::int64_t slot) {
             if (slot < 0) throw InvalidArgument("slot must be non-negative");
+            py::gil_scoped_release release;
             return slot_state_name(s.slot_state(static_cast<std::size_t>(slot)));
           },
           py::arg("slot"))
-      .def("__dlpack__", &make_dlpack_capsule, py::arg("stream") = py::none(), py::arg("max_version") = py::none(),
-           py::arg("dl_device") = py::none())
-      .def("__dlpack_device__", [](const TensorSpace& s) {
-        const Device d = s.backend()->device();
-        return py::make_tuple(static_cast<int>(d.type), d.id);
-      })
+      .def("__dlpack__", &make_dlpack_capsule, py::arg("stream") = py::none(),
+           py::arg("max_version") = py::none(), py::arg("dl_device") = py::none())
+      .def("__dlpack_device__",
+           [](const TensorSpace& s) {
+             const Device d = s.backend()->device();
+             return py::make_tuple(static_cast<int>(d.type), d.id);
+           })
       .def("__repr__", [](const TensorSpace& s) {
         return "<TensorSpace base=0x" + py::str("{:x}").format(s.base()).cast<std::string>() +
                " size=" + std::to_string(s.size()) + " page_size=" + std::to_string(s.page_size()) + ">";
@@ -272,13 +300,14 @@ void bind_group(py::module_& m) {
              py::gil_scoped_release release;
              return std::make_shared<SpaceGroup>(std::move(spaces), specs, n, std::move(pool), h);
            }),
-           py::arg("spaces"), py::arg("extents"), py::arg("num_pages"), py::arg("pool"), py::arg("history") = 1024)
+           py::arg("spaces"), py::arg("extents"), py::arg("num_pages"), py::arg("pool"),
+           py::arg("history") = 1024)
       .def("map", &SpaceGroup::map, py::arg("pages"), Release())
       .def("unmap", &SpaceGroup::unmap, py::arg("pages"), Release())
       .def("prepare", &SpaceGroup::prepare, py::arg("tx"), py::arg("pages"), Release())
       .def("commit", &SpaceGroup::commit, py::arg("tx"), Release())
       .def("abort", &SpaceGroup::abort, py::arg("tx"), Release())
-      .def("tx_state", &SpaceGroup::tx_state, py::arg("tx"))
+      .def("tx_state", &SpaceGroup::tx_state, py::arg("tx"), Release())
       .def("map_async", &SpaceGroup::map_async, py::arg("pages"), Release())
       .def(
           "collect",
@@ -293,31 +322,42 @@ void bind_group(py::module_& m) {
           py::arg("wait") = false)
       .def("close", &SpaceGroup::close, Release())
       .def("__enter__", [](std::shared_ptr<SpaceGroup> g) { return g; })
-      .def("__exit__", [](SpaceGroup& g, const py::args&) {
-        py::gil_scoped_release release;
-        g.close();
-      })
-      .def("is_mapped", &SpaceGroup::is_mapped, py::arg("page"))
-      .def("page_state", [](const SpaceGroup& g, std::int64_t page) { return page_state_name(g.page_state(page)); },
-           py::arg("page"))
-      .def("mapped_pages", &SpaceGroup::mapped_pages)
+      .def("__exit__",
+           [](SpaceGroup& g, const py::args&) {
+             py::gil_scoped_release release;
+             g.close();
+           })
+      .def("is_mapped", &SpaceGroup::is_mapped, py::arg("page"), Release())
+      .def(
+          "page_state",
+          [](const SpaceGroup& g, std::int64_t page) {
+            py::gil_scoped_release release;
+            return page_state_name(g.page_state(page));
+          },
+          py::arg("page"))
+      .def("mapped_pages", &SpaceGroup::mapped_pages, Release())
       .def(
           "page_units",
           [](const SpaceGroup& g, std::int64_t page) {
+            std::vector<UnitInfo> units;
+            {
+              py::gil_scoped_release release;
+              units = g.page_units(page);
+            }
             py::list out;
-            for (const UnitInfo& u : g.page_units(page)) out.append(py::make_tuple(u.space, u.start_slot, u.nslots));
+            for (const UnitInfo& u : units) out.append(py::make_tuple(u.space, u.start_slot, u.nslots));
             return out;
           },
           py::arg("page"))
       .def_property_readonly("num_pages", &SpaceGroup::num_pages)
       .def_property_readonly("num_units", &SpaceGroup::num_units)
-      .def_property_readonly("num_mapped", &SpaceGroup::num_mapped)
-      .def_property_readonly("mapped_bytes", &SpaceGroup::mapped_bytes)
-      .def_property_readonly("held_handles", &SpaceGroup::held_handles)
-      .def_property_readonly("quarantined_handles", &SpaceGroup::quarantined_handles)
-      .def_property_readonly("consistent", &SpaceGroup::consistent)
-      .def_property_readonly("error", &SpaceGroup::error)
-      .def_property_readonly("closed", &SpaceGroup::closed)
+      .def_property_readonly("num_mapped", unlocked(&SpaceGroup::num_mapped))
+      .def_property_readonly("mapped_bytes", unlocked(&SpaceGroup::mapped_bytes))
+      .def_property_readonly("held_handles", unlocked(&SpaceGroup::held_handles))
+      .def_property_readonly("quarantined_handles", unlocked(&SpaceGroup::quarantined_handles))
+      .def_property_readonly("consistent", unlocked(&SpaceGroup::consistent))
+      .def_property_readonly("error", unlocked(&SpaceGroup::error))
+      .def_property_readonly("closed", unlocked(&SpaceGroup::closed))
       .def_property_readonly("spaces", &SpaceGroup::spaces)
       .def_property_readonly("pool", &SpaceGroup::pool);
 }
@@ -352,5 +392,6 @@ PYBIND11_MODULE(_vmm, m) {
         return d;
       },
       py::arg("backend"), py::arg("page_size"), py::arg("count"), py::arg("pooled"),
-      "Benchmark only: times the bare driver loop (see raw_bench.hpp); returns seconds per phase and per call kind.");
+      "Benchmark only: times the bare driver loop (see raw_bench.hpp); returns seconds per phase and per "
+      "call kind.");
 }

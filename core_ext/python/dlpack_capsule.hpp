@@ -15,7 +15,8 @@ namespace elastic_kv {
 // `max_version` is ignored (torch accepts the legacy capsule whatever it asks for). A `dl_device` other than
 // the space's own device raises BufferError. A caller passing `copy` gets a TypeError, which makes
 // torch.from_dlpack retry without it and copy on its own side.
-pybind11::object make_dlpack_capsule(const std::shared_ptr<TensorSpace>& space, const pybind11::object& stream,
-                                     const pybind11::object& max_version, const pybind11::object& dl_device);
+pybind11::object make_dlpack_capsule(const std::shared_ptr<TensorSpace>& space,
+                                     const pybind11::object& stream, const pybind11::object& max_version,
+                                     const pybind11::object& dl_device);
 
 }  // namespace elastic_kv

@@ -19,8 +19,9 @@ Op op_from_name(const std::string& name) {
   for (int i = 0; i < static_cast<int>(Op::kCount); ++i) {
     if (name == kOpNames[i]) return static_cast<Op>(i);
   }
-  throw InvalidArgument("unknown backend operation '" + name +
-                        "' (expected reserve, free_va, create, release, map, unmap, set_access or synchronize)");
+  throw InvalidArgument(
+      "unknown backend operation '" + name +
+      "' (expected reserve, free_va, create, release, map, unmap, set_access or synchronize)");
 }
 
 void Backend::check_granular(std::size_t value, const char* what) const {

@@ -62,14 +62,14 @@ struct CudaBackend::Api {
   CUresult (*cuCtxSynchronize)() = nullptr;
   CUresult (*cuMemGetInfo)(std::size_t*, std::size_t*) = nullptr;
   CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
-  CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr, unsigned long long) =
-      nullptr;
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
+                                  unsigned long long) = nullptr;
   CUresult (*cuMemAddressFree)(CUdeviceptr, std::size_t) = nullptr;
   CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
                           unsigned long long) = nullptr;
   CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*cuMemMap)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle, unsigned long long) =
-      nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
   CUresult (*cuMemUnmap)(CUdeviceptr, std::size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
   CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, std::size_t) = nullptr;
@@ -121,7 +121,8 @@ CudaBackend::CudaBackend(int device, const std::string& library, std::optional<b
     int status = 0;
     const CUresult r = v2 != nullptr ? v2(symbol, &p, abi, 0, &status) : v1(symbol, &p, abi, 0);
     if (r != CUDA_SUCCESS || p == nullptr) {
-      throw ConfigurationError("the CUDA driver " + std::to_string(driver_version_) + " does not provide " + symbol);
+      throw ConfigurationError("the CUDA driver " + std::to_string(driver_version_) + " does not provide " +
+                               symbol);
     }
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
   };
@@ -153,8 +154,9 @@ CudaBackend::CudaBackend(int device, const std::string& library, std::optional<b
   config_check(a.cuInit(0), "cuInit (is there a usable NVIDIA GPU?)");
   config_check(a.cuDeviceGet(&cu_device_, device), "cuDeviceGet(" + std::to_string(device) + ")");
   int vmm = 0;
-  config_check(a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_device_),
-               "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+  config_check(
+      a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_device_),
+      "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
   if (vmm == 0) {
     throw ConfigurationError("CUDA device " + std::to_string(device) +
                              " does not support virtual memory management (cuMemCreate/cuMemMap)");
@@ -171,12 +173,14 @@ CudaBackend::CudaBackend(int device, const std::string& library, std::optional<b
 }
 
 CudaBackend::~CudaBackend() {
-  if (context_ != nullptr) api_->cuDevicePrimaryCtxRelease(cu_device_);  // may be DEINITIALIZED at exit: ignore
+  if (context_ != nullptr)
+    api_->cuDevicePrimaryCtxRelease(cu_device_);  // may be DEINITIALIZED at exit: ignore
 }
 
 std::string CudaBackend::error_name(int result) const {
   const char* name = nullptr;
-  if (api_->cuGetErrorName != nullptr && api_->cuGetErrorName(result, &name) == CUDA_SUCCESS && name != nullptr) {
+  if (api_->cuGetErrorName != nullptr && api_->cuGetErrorName(result, &name) == CUDA_SUCCESS &&
+      name != nullptr) {
     return std::string(name) + " (" + std::to_string(result) + ")";
   }
   return "CUDA error " + std::to_string(result);
@@ -199,7 +203,8 @@ bool CudaBackend::probe_multi_unmap() noexcept {
     CUdeviceptr va = 0;
     if (a.cuMemAddressReserve(&va, 2 * g, g, 0, 0) != CUDA_SUCCESS) return false;
     CUmemGenericAllocationHandle h[2] = {0, 0};
-    bool ok = a.cuMemCreate(&h[0], g, &a.prop, 0) == CUDA_SUCCESS && a.cuMemCreate(&h[1], g, &a.prop, 0) == CUDA_SUCCESS;
+    bool ok = a.cuMemCreate(&h[0], g, &a.prop, 0) == CUDA_SUCCESS &&
+              a.cuMemCreate(&h[1], g, &a.prop, 0) == CUDA_SUCCESS;
     bool mapped[2] = {false, false};
     if (ok) {
       mapped[0] = a.cuMemMap(va, g, 0, h[0], 0) == CUDA_SUCCESS;

@@ -6,7 +6,8 @@
 
 namespace elastic_kv {
 
-SharedLibrary::SharedLibrary(const std::string& name) : name_(name), handle_(dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+SharedLibrary::SharedLibrary(const std::string& name)
+    : name_(name), handle_(dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) {
   if (handle_ == nullptr) {
     const char* why = dlerror();
     throw ConfigurationError("cannot load " + name + ": " + (why != nullptr ? why : "unknown dlopen error"));

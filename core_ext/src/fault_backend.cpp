@@ -1,6 +1,8 @@
 #include "elastic_kv/fault_backend.hpp"
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 namespace elastic_kv {
 
@@ -24,9 +26,16 @@ void FaultInjectingBackend::arm(Op op, long nth, long times, bool oom) {
   plans_[i] = plan;
 }
 
+void FaultInjectingBackend::set_delay(Op op, long microseconds) {
+  if (microseconds < 0) throw InvalidArgument("a delay must be non-negative");
+  std::lock_guard<std::mutex> lock(mu_);
+  delay_us_[static_cast<int>(op)] = microseconds;
+}
+
 void FaultInjectingBackend::disarm() noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   plans_.fill(Plan{});
+  delay_us_.fill(0);
 }
 
 std::size_t FaultInjectingBackend::injected(Op op) const {
@@ -36,15 +45,20 @@ std::size_t FaultInjectingBackend::injected(Op op) const {
 
 void FaultInjectingBackend::maybe_fail(Op op) {
   bool oom = false;
+  long delay = 0;
+  bool fail = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int i = static_cast<int>(op);
     const long n = ++seen_[i];
+    delay = delay_us_[i];
     const Plan& plan = plans_[i];
-    if (plan.first == 0 || n < plan.first || (plan.last >= 0 && n > plan.last)) return;
-    ++injected_[i];
+    fail = plan.first != 0 && n >= plan.first && (plan.last < 0 || n <= plan.last);
+    if (fail) ++injected_[i];
     oom = plan.oom;
   }
+  if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+  if (!fail) return;
   const std::string what = std::string("injected failure of ") + op_name(op) + " (FaultInjectingBackend)";
   if (oom) throw OutOfMemory(op_name(op), kInjectedCode, what + ": out of memory");
   throw DriverError(op_name(op), kInjectedCode, what);

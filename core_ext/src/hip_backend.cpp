@@ -57,8 +57,8 @@ struct HipBackend::Api {
   hipError_t (*hipMemCreate)(hipMemGenericAllocationHandle_t*, std::size_t, const hipMemAllocationProp*,
                              unsigned long long) = nullptr;
   hipError_t (*hipMemRelease)(hipMemGenericAllocationHandle_t) = nullptr;
-  hipError_t (*hipMemMap)(void*, std::size_t, std::size_t, hipMemGenericAllocationHandle_t, unsigned long long) =
-      nullptr;
+  hipError_t (*hipMemMap)(void*, std::size_t, std::size_t, hipMemGenericAllocationHandle_t,
+                          unsigned long long) = nullptr;
   hipError_t (*hipMemUnmap)(void*, std::size_t) = nullptr;
   hipError_t (*hipMemSetAccess)(void*, std::size_t, const hipMemAccessDesc*, std::size_t) = nullptr;
   hipError_t (*hipMemsetD8)(void*, unsigned char, std::size_t) = nullptr;
@@ -121,20 +121,23 @@ HipBackend::HipBackend(int device, const std::string& library, std::optional<boo
   int count = 0;
   config_check(a.hipGetDeviceCount(&count), "hipGetDeviceCount");
   if (device >= count) {
-    throw ConfigurationError("HIP device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
-                             " devices)");
+    throw ConfigurationError("HIP device " + std::to_string(device) + " does not exist (" +
+                             std::to_string(count) + " devices)");
   }
   a.prop.type = hipMemAllocationTypePinned;
   a.prop.location = {hipMemLocationTypeDevice, device};
   a.access.location = a.prop.location;
   a.access.flags = hipMemAccessFlagsProtReadWrite;
-  const hipError_t r = a.hipMemGetAllocationGranularity(&granularity_, &a.prop, hipMemAllocationGranularityMinimum);
+  const hipError_t r =
+      a.hipMemGetAllocationGranularity(&granularity_, &a.prop, hipMemAllocationGranularityMinimum);
   if (r == hipErrorNotSupported) {
-    throw ConfigurationError("HIP device " + std::to_string(device) + " does not support virtual memory management");
+    throw ConfigurationError("HIP device " + std::to_string(device) +
+                             " does not support virtual memory management");
   }
   config_check(r, "hipMemGetAllocationGranularity");
   if (granularity_ == 0) throw ConfigurationError("the HIP runtime reports a granularity of 0");
-  // Unlike CUDA, multi-mapping unmap is not probed on HIP (no hardware to validate the probe): off by default.
+  // Unlike CUDA, multi-mapping unmap is not probed on HIP (no hardware to validate the probe): off by
+  // default.
   multi_unmap_ = multi_unmap.value_or(false);
 }
 
@@ -169,13 +172,15 @@ HandleId HipBackend::do_create(std::size_t size) {
 }
 
 void HipBackend::do_release(HandleId handle, std::size_t /*size*/) {
-  check(api_->hipMemRelease(reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle))),
+  check(api_->hipMemRelease(
+            reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle))),
         "release", "hipMemRelease");
 }
 
 void HipBackend::do_map(VAddr va, std::size_t size, HandleId handle) {
-  check(api_->hipMemMap(as_ptr(va), size, 0,
-                        reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle)), 0),
+  check(api_->hipMemMap(
+            as_ptr(va), size, 0,
+            reinterpret_cast<hipMemGenericAllocationHandle_t>(static_cast<std::uintptr_t>(handle)), 0),
         "map", "hipMemMap");
 }
 

@@ -16,7 +16,9 @@ namespace {
 
 std::size_t os_page_size() noexcept { return static_cast<std::size_t>(sysconf(_SC_PAGESIZE)); }
 
-std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+std::string errno_text(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
 
 void* as_ptr(VAddr va) noexcept { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(va)); }
 
@@ -72,7 +74,8 @@ std::map<VAddr, std::size_t>::const_iterator HostBackend::find_reservation(VAddr
   return reservations_.end();
 }
 
-std::vector<std::map<VAddr, HostBackend::MappingRecord>::iterator> HostBackend::tiling(const char* op, VAddr va,
+std::vector<std::map<VAddr, HostBackend::MappingRecord>::iterator> HostBackend::tiling(const char* op,
+                                                                                       VAddr va,
                                                                                        std::size_t size) {
   std::vector<std::map<VAddr, MappingRecord>::iterator> out;
   VAddr cursor = va;
@@ -97,8 +100,9 @@ VAddr HostBackend::do_reserve(std::size_t size, std::size_t alignment) {
   void* p = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
-    throw OutOfMemory("reserve", err, "host backend: cannot reserve " + std::to_string(size) +
-                                          " bytes of address space: " + errno_text(err));
+    throw OutOfMemory("reserve", err,
+                      "host backend: cannot reserve " + std::to_string(size) +
+                          " bytes of address space: " + errno_text(err));
   }
   const auto raw = reinterpret_cast<std::uintptr_t>(p);
   const std::uintptr_t start = (raw + align - 1) / align * align;
@@ -112,7 +116,8 @@ VAddr HostBackend::do_reserve(std::size_t size, std::size_t alignment) {
 void HostBackend::do_free_va(VAddr va, std::size_t size) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = reservations_.find(va);
-  if (it == reservations_.end() || it->second != size) reject("free_va", "not a reservation made by reserve()");
+  if (it == reservations_.end() || it->second != size)
+    reject("free_va", "not a reservation made by reserve()");
   auto m = mappings_.lower_bound(va);
   if (m != mappings_.end() && m->first < va + size) reject("free_va", "the reservation still holds mappings");
   if (munmap(as_ptr(va), size) != 0) {
@@ -232,7 +237,8 @@ MemInfo HostBackend::do_mem_info() {
 }
 
 void HostBackend::do_synchronize() {
-  // Host memory is coherent; a fence orders this thread's earlier writes before whatever the caller does next.
+  // Host memory is coherent; a fence orders this thread's earlier writes before whatever the caller does
+  // next.
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 

@@ -13,8 +13,8 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 
 }  // namespace
 
-RawLoopTimes raw_driver_loop(const std::shared_ptr<Backend>& backend, std::size_t page_size, std::size_t count,
-                             bool pooled) {
+RawLoopTimes raw_driver_loop(const std::shared_ptr<Backend>& backend, std::size_t page_size,
+                             std::size_t count, bool pooled) {
   if (count == 0) throw InvalidArgument("count must be positive");
   RawLoopTimes t;
   const VAddr va = backend->reserve(page_size * count, page_size & (~page_size + 1));

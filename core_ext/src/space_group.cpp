@@ -25,8 +25,9 @@ const char* state_phrase(PageState s) {
 
 }  // namespace
 
-SpaceGroup::SpaceGroup(std::vector<std::shared_ptr<TensorSpace>> spaces, const std::vector<ExtentSpec>& extents,
-                       std::size_t num_pages, std::shared_ptr<HandlePool> pool, std::size_t history)
+SpaceGroup::SpaceGroup(std::vector<std::shared_ptr<TensorSpace>> spaces,
+                       const std::vector<ExtentSpec>& extents, std::size_t num_pages,
+                       std::shared_ptr<HandlePool> pool, std::size_t history)
     : spaces_(std::move(spaces)), pool_(std::move(pool)), history_cap_(history) {
   if (spaces_.empty()) throw InvalidArgument("a SpaceGroup needs at least one TensorSpace");
   if (!pool_) throw InvalidArgument("a SpaceGroup needs a HandlePool");
@@ -159,7 +160,8 @@ std::vector<std::uint32_t> SpaceGroup::validate(const std::vector<std::int64_t>&
   std::vector<std::uint32_t> sorted = out;
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end()) throw InvalidArgument(std::string(op) + ": page " + std::to_string(*dup) + " listed twice");
+  if (dup != sorted.end())
+    throw InvalidArgument(std::string(op) + ": page " + std::to_string(*dup) + " listed twice");
   for (std::uint32_t p : out) {
     if (pages_[p] != required) {
       throw InvalidArgument(std::string(op) + ": page " + std::to_string(p) + " " + state_phrase(pages_[p]));
@@ -212,7 +214,8 @@ void SpaceGroup::back_units(const std::vector<std::uint32_t>& units, const std::
       spaces_[sp]->back(spans, sub);
     } catch (...) {
       const auto original = std::current_exception();
-      if (!spaces_[sp]->consistent()) mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
+      if (!spaces_[sp]->consistent())
+        mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
       for (auto it = done.rbegin(); it != done.rend(); ++it) {
         try {
           spaces_[it->first]->unback(it->second);
@@ -242,7 +245,8 @@ void SpaceGroup::unback_units(const std::vector<std::uint32_t>& units) {
       spaces_[sp]->unback(spans);
     } catch (...) {
       const auto original = std::current_exception();
-      if (!spaces_[sp]->consistent()) mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
+      if (!spaces_[sp]->consistent())
+        mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
       for (std::size_t k = done.size(); k-- > 0;) {
         try {
           spaces_[done[k].first]->back(done[k].second, done_ids[k]);
@@ -383,7 +387,8 @@ void SpaceGroup::prepare(std::int64_t tx, const std::vector<std::int64_t>& pages
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
   if (tx < 0) throw InvalidArgument("prepare: transaction ids are non-negative");
-  if (prepared_.count(tx) != 0) throw InvalidArgument("prepare: tx " + std::to_string(tx) + " is already prepared");
+  if (prepared_.count(tx) != 0)
+    throw InvalidArgument("prepare: tx " + std::to_string(tx) + " is already prepared");
   const auto h = history_.find(tx);
   if (h != history_.end()) {
     throw InvalidArgument("prepare: tx " + std::to_string(tx) +
@@ -427,7 +432,8 @@ void SpaceGroup::abort(std::int64_t tx) {
   if (it == prepared_.end()) {
     const auto h = history_.find(tx);
     if (h != history_.end() && h->second == Outcome::kAborted) return;  // idempotent
-    if (h != history_.end()) throw InvalidArgument("abort: tx " + std::to_string(tx) + " was already committed");
+    if (h != history_.end())
+      throw InvalidArgument("abort: tx " + std::to_string(tx) + " was already committed");
     record_outcome(tx, Outcome::kAborted);  // presumed abort: a later prepare of this tx is refused
     return;
   }
@@ -451,8 +457,8 @@ bool SpaceGroup::is_mapped(std::int64_t page) const { return page_state(page) ==
 PageState SpaceGroup::page_state(std::int64_t page) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (page < 0 || static_cast<std::uint64_t>(page) >= pages_.size()) {
-    throw InvalidArgument("page " + std::to_string(page) + " out of range [0, " + std::to_string(pages_.size()) +
-                          ")");
+    throw InvalidArgument("page " + std::to_string(page) + " out of range [0, " +
+                          std::to_string(pages_.size()) + ")");
   }
   return pages_[static_cast<std::size_t>(page)];
 }

@@ -77,7 +77,8 @@ void SpaceGroup::run_request(std::unique_lock<std::mutex>& lock, const Request& 
     } catch (const std::exception& e) {
       rolled_back = false;
       mark_inconsistent(std::string("rolling back a failed map_async failed: ") + e.what());
-      *error += std::string("; rolling back the pages mapped so far failed: ") + e.what();
+      error = "StateConsistencyError: rolling back the pages mapped so far failed (" + std::string(e.what()) +
+              ") after " + *error;
     }
   }
   if (!error) {
@@ -150,7 +151,8 @@ void SpaceGroup::close() noexcept {
       spaces_[sp]->backend()->note_cleanup_failure();
     }
   }
-  // Handles go back to the pool only when everything is known to be in order; otherwise straight to the driver.
+  // Handles go back to the pool only when everything is known to be in order; otherwise straight to the
+  // driver.
   for (Unit& u : units_) {
     if (!u.handle) continue;
     if (consistent_ && !spaces_[u.space]->unit_quarantined(u.start, nullptr)) {

@@ -99,7 +99,8 @@ void TensorSpace::release_everything() noexcept {
 SlotState TensorSpace::slot_state(std::size_t slot) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (slot >= num_slots_) {
-    throw InvalidArgument("slot " + std::to_string(slot) + " out of range [0, " + std::to_string(num_slots_) + ")");
+    throw InvalidArgument("slot " + std::to_string(slot) + " out of range [0, " + std::to_string(num_slots_) +
+                          ")");
   }
   switch (maps_[head_[slot]].kind) {
     case Kind::kZero:
@@ -130,7 +131,8 @@ std::size_t TensorSpace::quarantined_units() const {
 
 void TensorSpace::attach(const void* owner) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (owner_ != nullptr && owner_ != owner) throw InvalidArgument("the TensorSpace already belongs to a SpaceGroup");
+  if (owner_ != nullptr && owner_ != owner)
+    throw InvalidArgument("the TensorSpace already belongs to a SpaceGroup");
   owner_ = owner;
 }
 
@@ -175,8 +177,8 @@ std::vector<std::pair<std::size_t, std::size_t>> TensorSpace::runs(const std::ve
   std::vector<std::pair<std::size_t, std::size_t>> out;
   const bool coalesce = backend_->multi_unmap();
   for (std::size_t i = 0; i < units.size(); ++i) {
-    if (coalesce && !out.empty() && units[out.back().second].start + units[out.back().second].nslots ==
-                                        units[i].start) {
+    if (coalesce && !out.empty() &&
+        units[out.back().second].start + units[out.back().second].nslots == units[i].start) {
       out.back().second = i;
     } else {
       out.emplace_back(i, i);
@@ -257,7 +259,8 @@ bool TensorSpace::restore_handle(std::uint32_t start, HandleId handle) noexcept 
   }
 }
 
-void TensorSpace::undo_backed(const std::vector<UnitSpan>& units, const std::vector<std::size_t>& done) noexcept {
+void TensorSpace::undo_backed(const std::vector<UnitSpan>& units,
+                              const std::vector<std::size_t>& done) noexcept {
   for (auto it = done.rbegin(); it != done.rend(); ++it) {
     const UnitSpan& u = units[*it];
     try {

@@ -30,8 +30,40 @@ def make_backend(backend_kind: str) -> BackendFactory:
                 multi_unmap=True if multi_unmap is None else multi_unmap,
             )
         if backend_kind == "cuda":
-            # The GPU has no budget of ours; tests that need OOM use the host backend or a fault injector.
-            return _vmm.CudaBackend(0, multi_unmap=multi_unmap)
+            if physical_budget:
+                pytest.skip("the CUDA backend has no budget of ours (OOM is tested on the host backend)")
+            backend = _vmm.CudaBackend(0, multi_unmap=False if multi_unmap is False else None)
+            if multi_unmap and not backend.multi_unmap:
+                pytest.skip("this driver cannot unmap several mappings in one call")
+            return backend
         raise AssertionError(backend_kind)
 
     return factory
+
+
+# Fault-injection bookkeeping: every injection point records its outcome; the session prints a summary.
+
+INJECTION_OUTCOMES = pytest.StashKey[list[tuple[str, str, str, str]]]()
+
+
+@pytest.fixture
+def injection_log(request: pytest.FixtureRequest) -> list[tuple[str, str, str, str]]:
+    """Where test_fault_injection records (scenario, op, mode, outcome) per injection point."""
+    return request.config.stash.setdefault(INJECTION_OUTCOMES, [])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    outcomes = config.stash.get(INJECTION_OUTCOMES, [])
+    if not outcomes:
+        return
+    by_scenario: dict[str, dict[str, int]] = {}
+    for scenario, _op, _mode, outcome in outcomes:
+        counts = by_scenario.setdefault(scenario, {})
+        counts[outcome] = counts.get(outcome, 0) + 1
+    terminalreporter.section("fault injection")
+    terminalreporter.write_line(
+        f"{len(outcomes)} injection points checked (scenario x config x op x call x mode)"
+    )
+    for scenario, counts in sorted(by_scenario.items()):
+        detail = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+        terminalreporter.write_line(f"  {scenario:>10}: {sum(counts.values()):5d}  ({detail})")

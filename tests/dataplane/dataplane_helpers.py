@@ -6,8 +6,8 @@ CUDA tensors), so the same behaviour tests run on the host backend in CI and on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from elastic_kv import _vmm
@@ -25,6 +25,11 @@ class Rig:
     group: _vmm.SpaceGroup
     extents: list[tuple[int, int, int, int]]
     views: list[torch.Tensor]
+    # Checks read every `check_step`-th byte: 1 reads everything; the fault-injection suite samples (one byte
+    # per 64 KiB still catches any misplaced page, and skips most of the page faults of fresh mappings).
+    check_step: int = 1
+    # The salt of the last write_page per page (threads write distinct pages; dict updates hold the GIL).
+    salts: dict[int, int] = field(default_factory=dict)
 
     def page_ranges(self, page: int) -> list[tuple[int, int, int]]:
         """(space, start, end) byte ranges of a logical page, one per extent."""
@@ -34,19 +39,34 @@ class Rig:
 
     def write_page(self, page: int, salt: int = 0) -> None:
         """Fills every byte range of `page` with its pattern value."""
+        self.salts[page] = salt
         for s, lo, hi in self.page_ranges(page):
             self.views[s][lo:hi].fill_(pattern(page, s, salt))
+        self.sync()
+
+    def sync(self) -> None:
+        """Waits for queued device work: a page must not be unmapped under a kernel still writing it (the
+        ledger's deferred free guarantees that in production; tests do it by hand)."""
+        if any(v.is_cuda for v in self.views):
+            torch.cuda.synchronize()
 
     def page_intact(self, page: int, salt: int = 0) -> bool:
         """True if every byte range of `page` still holds its pattern value."""
         for s, lo, hi in self.page_ranges(page):
-            if not bool((self.views[s][lo:hi] == pattern(page, s, salt)).all()):
+            if not bool((self.views[s][lo : hi : self.check_step] == pattern(page, s, salt)).all()):
                 return False
         return True
 
+    def holds_last_write(self, page: int) -> bool:
+        """True if `page` still holds what the last write_page(page) wrote."""
+        return self.page_intact(page, self.salts[page])
+
     def page_zero(self, page: int) -> bool:
         """True if every byte range of `page` reads zeros."""
-        return all(int(self.views[s][lo:hi].count_nonzero()) == 0 for s, lo, hi in self.page_ranges(page))
+        step = self.check_step
+        return all(
+            int(self.views[s][lo:hi:step].count_nonzero()) == 0 for s, lo, hi in self.page_ranges(page)
+        )
 
     def slot_states(self) -> list[list[str]]:
         return [[sp.slot_state(i) for i in range(sp.num_slots)] for sp in self.spaces]
@@ -56,7 +76,7 @@ class Rig:
         for sp, view in zip(self.spaces, self.views, strict=True):
             for i in range(sp.num_slots):
                 if sp.slot_state(i) == "zero":
-                    chunk = view[i * sp.page_size : (i + 1) * sp.page_size]
+                    chunk = view[i * sp.page_size : (i + 1) * sp.page_size : self.check_step]
                     if int(chunk.count_nonzero()) != 0:
                         return False
         return True
@@ -79,8 +99,11 @@ def make_rig(
     space_sizes: Sequence[int] | None = None,
     max_cached_bytes: int = 64 * MiB,
     history: int = 1024,
+    pool: _vmm.HandlePool | None = None,
+    view: Callable[[_vmm.TensorSpace], torch.Tensor] = torch.from_dlpack,
 ) -> Rig:
-    """Builds a group; by default one space with one slot-aligned page per slot."""
+    """Builds a group; by default one space with one slot-aligned page per slot, and a pool of its own.
+    `view` turns a space into a byte tensor (DLPack by default; the fake-driver tests view host memory)."""
     if extents is None:
         extents = [(0, 0, page_size, page_size)]
     if space_sizes is None:
@@ -90,9 +113,10 @@ def make_rig(
             end = max(base + (num_pages - 1) * step + length for sp, base, step, length in extents if sp == s)
             space_sizes.append(end)
     spaces = [_vmm.TensorSpace(backend, size, page_size) for size in space_sizes]
-    pool = _vmm.HandlePool(backend, max_cached_bytes)
+    if pool is None:
+        pool = _vmm.HandlePool(backend, max_cached_bytes)
     group = _vmm.SpaceGroup(spaces, list(extents), num_pages, pool, history)
-    views = [torch.from_dlpack(sp) for sp in spaces]
+    views = [view(sp) for sp in spaces]
     return Rig(backend, pool, spaces, group, list(extents), views)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ def _state(rig: Rig) -> tuple[Any, ...]:
 
 
 @pytest.fixture
-def rig(make_backend) -> Rig:
+def rig(make_backend) -> Iterator[Rig]:
     """Pages 0, 1 mapped (with data), page 2 prepared in tx 1, tx 2 committed, tx 3 aborted."""
     r = make_rig(make_backend(), num_pages=8)
     r.group.map([0, 1, 2, 4])
@@ -42,7 +42,7 @@ def rig(make_backend) -> Rig:
     r.close()
 
 
-BAD_CALLS: dict[str, Callable[[_vmm.SpaceGroup], None]] = {
+BAD_CALLS: dict[str, Callable[[_vmm.SpaceGroup], object]] = {
     "map page out of range": lambda g: g.map([8]),
     "map negative page": lambda g: g.map([-1]),
     "map duplicate page": lambda g: g.map([5, 5]),

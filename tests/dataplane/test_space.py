@@ -65,6 +65,7 @@ def test_zero_page_aliasing_a_stray_write_shows_in_every_unbacked_slot(make_back
         assert view[slot * 2 * MiB : slot * 2 * MiB + 4].tolist() == [1, 2, 3, 4]
     assert rig.page_intact(1)  # a backed page does not
     view[0:4] = 0  # clean up the shared zero page again
+    rig.sync()
     rig.close()
 
 

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import elastic_kv.registry
 import pytest
 
-import elastic_kv.registry
 from limits.helpers import PoolProcess
 
 # Where `elastic_kv` is imported from here: child processes get the same tree (installed or a checkout).

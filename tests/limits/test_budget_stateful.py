@@ -13,12 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from elastic_kv.registry import UNBOUNDED, PoolRecord
+from elastic_kv.registry_view import Registry
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
-
-from elastic_kv.registry import UNBOUNDED, PoolRecord
-from elastic_kv.registry_view import Registry
 
 KiB = 1 << 10
 amounts = st.integers(min_value=0, max_value=64 * KiB)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_UNKNOWN
 from elastic_kv.registry_view import Registry
+
 from limits.helpers import PoolProcess
 
 MiB = 1 << 20

@@ -7,7 +7,6 @@ import itertools
 import math
 
 import pytest
-
 from elastic_kv.registry_layout import (
     HISTOGRAM_BOUNDS,
     SNAPSHOT_INT_FIELDS,

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from elastic_kv.metrics import RegistryCollector
 from elastic_kv.registry_layout import HISTOGRAM_BOUNDS
 from elastic_kv.registry_view import Registry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from limits.helpers import PoolProcess
 
 MiB = 1 << 20
@@ -137,3 +137,18 @@ def test_standalone_server(child_env: dict[str, str], busy_pool: PoolProcess) ->
             server.wait()
         if server.stderr is not None:
             server.stderr.close()
+
+
+def test_standalone_server_refuses_an_unusable_registry(tmp_path: Path, child_env: dict[str, str]) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.metrics", "--port", "0", "--registry-dir", str(loose)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 4
+    assert "chmod 700" in done.stderr and "Traceback" not in done.stderr

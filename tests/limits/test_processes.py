@@ -15,6 +15,7 @@ from elastic_kv.registry import PoolRecord
 from elastic_kv.registry_fs import file_lock_is_free
 from elastic_kv.registry_layout import RecordLayout
 from elastic_kv.registry_view import Registry
+
 from limits.helpers import PoolProcess, wait_until
 
 MiB = 1 << 20

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from elastic_kv.errors import ConfigError
+from elastic_kv.budget import DeviceBudget
+from elastic_kv.errors import ConfigError, StateConsistencyError
 from elastic_kv.registry import UNBOUNDED, PoolRecord
 from elastic_kv.registry_fs import ProcessIdentity, RegistryConfig, owner_is_dead, pid_namespace
-from elastic_kv.registry_layout import HISTOGRAM_BOUNDS, RecordLayout
+from elastic_kv.registry_layout import HISTOGRAM_BOUNDS, DeviceLayout, RecordLayout, SlotLayout
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
@@ -311,3 +311,22 @@ def test_close_survives_a_deleted_registry_directory(
     registry_dir.rmdir()
     rec.close()  # nothing shared is left to clean; local resources are still released
     assert "could not remove it cleanly" in caplog.text
+
+
+def test_a_pool_whose_slot_was_taken_refuses_to_charge_someone_elses(registry_dir: Path) -> None:
+    """Only possible when its record file is deleted by hand and its PID is not visible (a container)."""
+    rec = make(registry_dir)
+    assert rec.try_charge(MiB)
+    budget = DeviceBudget.open(registry_dir, "cuda:0", create=False)
+    assert budget is not None
+    [(slot, name, _)] = budget.slot_owners()
+    budget.close()
+    assert name == "pool-a"
+    with open(registry_dir / "cuda:0.device", "r+b") as f:  # what reclaiming the slot as dead does
+        f.seek(DeviceLayout.slots_start + slot * SlotLayout.SIZE + SlotLayout.token.offset)
+        f.write(bytes(8))
+    with pytest.raises(StateConsistencyError, match="no longer belongs"):
+        rec.try_charge(MiB)
+    with pytest.raises(StateConsistencyError):
+        rec.uncharge(MiB)
+    rec.close()

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_kv import _vmm
 from elastic_kv.ranks import (
     BroadcastTransport,
     Coordinator,
@@ -39,8 +40,6 @@ from elastic_kv.ranks import (
     socket_path,
 )
 from elastic_kv.ranks.messages import MessageError, Op, Reply, Request, peek_prefix
-
-from elastic_kv import _vmm
 
 DIE_EXIT_CODE = 17
 BUSY_WAIT_S = 0.5  # how long a MAP of a retiring page waits for its epoch
@@ -151,6 +150,10 @@ class RankNode:
         gc.collect()
         return int(backend.live_handles), empty
 
+    def tx_state(self, pool: int, tx: int) -> str | None:
+        """The data plane's record of transaction ``tx``."""
+        return self.pools[pool].group.tx_state(tx)
+
     def failed_releases(self, pool: int) -> int:
         return int(self.pools[pool].handle_pool.failed_releases)
 
@@ -172,6 +175,10 @@ class RankNode:
 
     def fence(self) -> int:
         return self.rank.fence.finished
+
+    def in_flight(self) -> bool:
+        assert self.listener is not None
+        return self.listener.in_flight
 
     def close_listener(self, timeout: float) -> tuple[bool, bool]:
         assert self.listener is not None
@@ -303,6 +310,13 @@ class Cluster:
         assert status == "ok", f"rank {r} {cmd}{args}: {value}"
         return value
 
+    def wait_in_flight(self, r: int, timeout: float = 10.0) -> None:
+        """Block until rank ``r``'s listener is applying a request (socket clusters)."""
+        deadline = time.monotonic() + timeout
+        while not self.ctl(r, "in_flight"):
+            assert time.monotonic() < deadline, f"rank {r} never started the request"
+            time.sleep(0.005)
+
     def new_pool(self, num_pages: int = 16) -> int:
         """Add a fresh pool on every rank; returns its id."""
         pool = self._next_pool
@@ -344,16 +358,17 @@ class Cluster:
             ready = multiprocessing.connection.wait(waiting, max(deadline - time.monotonic(), 0))
             if not ready:
                 raise TimeoutError(f"{len(waiting)} workers did not answer within {timeout}s")
-            for conn in ready:
-                data = conn.recv_bytes()  # type: ignore[union-attr]
+            for ready_conn in ready:
+                i = next(k for k, c in enumerate(conns) if c is ready_conn)
+                data = conns[i].recv_bytes()
                 if request_id is None or peek_prefix(data)[2] == request_id:  # else: a stale reply
-                    replies[conns.index(conn)] = data  # type: ignore[arg-type]
+                    replies[i] = data
         return [replies[i] for i in range(len(conns))]
 
     # --- checks ----------------------------------------------------------------------------------
     def snapshots(self, pool: int) -> dict[int, tuple[tuple[int, ...], int, bool, int]]:
         """Per living rank: (mapped pages, live handles, consistent, queued unmaps)."""
-        return {r: tuple(self.ctl(r, "snapshot", pool)) for r in range(self.world) if self.alive(r)}  # type: ignore[misc]
+        return {r: self.ctl(r, "snapshot", pool) for r in range(self.world) if self.alive(r)}
 
     def assert_no_leaks(self, pool: int, ranks: Sequence[int] | None = None) -> None:
         """Every given (default: living) rank holds exactly the handles its mapped pages need."""

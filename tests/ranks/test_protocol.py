@@ -30,6 +30,9 @@ def test_bad_pages_change_nothing(cluster: Cluster, pool: int) -> None:
         c.map([c.num_pages])
     with pytest.raises(ValueError, match="duplicate"):
         c.map([1, 1])
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="not an integer"):
+            c.map([2, bad])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="rolled back on every rank"):
         c.map([5, 4])  # 4 is mapped: every rank refuses, nothing changes
     with pytest.raises(ValueError, match="not mapped"):
@@ -53,7 +56,7 @@ def test_prepare_failing_on_one_rank_is_aborted_on_the_others(cluster: Cluster, 
     c = cluster.coordinator(pool)
     c.map([1, 2])
     cluster.ctl(2, "fail", pool, "unmap", 1, 1, "error")
-    with pytest.raises(_vmm.BackendError, match="rank 2 BACKEND.*rolled back on every rank|rolled back"):
+    with pytest.raises(_vmm.BackendError, match="rolled back on every rank: rank 2 BACKEND"):
         c.unmap([1, 2])
     assert c.consistent
     cluster.assert_agree(pool, [1, 2])  # ranks 0 and 1 restored their pages

@@ -8,6 +8,7 @@ down on the living ranks gives every handle back.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from elastic_kv.errors import StateConsistencyError
@@ -34,6 +35,13 @@ def _assert_survivors_agree(cluster: Cluster, pool: int) -> None:
     assert len({s[0] for s in snaps.values()}) == 1, f"living ranks diverge: {snaps}"
     assert all(s[2] and s[3] == 0 for s in snaps.values()), snaps
     cluster.assert_no_leaks(pool)
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def test_rank_killed_while_idle(cluster: Cluster, pool: int) -> None:
@@ -109,9 +117,8 @@ def test_ambiguous_commit_is_retried_never_aborted(cluster: Cluster, pool: int) 
     c.unmap([2])  # every rank prepared: the unmap happened; rank 1's commit is still unconfirmed
     assert c.consistent and len(c.pending_commits) == 1
     assert cluster.snapshots(pool)[0][0] == (1, 3)
-    time.sleep(1.0)
-    c.map([4])  # retries the pending commit first
-    assert c.pending_commits == ()
+    _eventually(lambda: (c.sync(), c.pending_commits == ())[1])  # every later call retries it first
+    c.map([4])
     cluster.assert_agree(pool, [1, 3, 4])
 
 
@@ -125,5 +132,6 @@ def test_unconfirmed_abort_enters_the_error_state(cluster: Cluster, pool: int) -
     assert not c.consistent
     # Rank 1 applies the late PREPARE, then the ABORTs queued behind it: the ranks end up agreeing, but the
     # coordinator could not know that in time, so it had to stop the pool.
-    time.sleep(1.0)
+    unmap_tx = 2  # tx 1 was the map; rank 1 prepares it late, then aborts it
+    _eventually(lambda: cluster.ctl(1, "tx_state", pool, unmap_tx) == "aborted")
     cluster.assert_agree(pool, [1])

@@ -48,11 +48,11 @@ def test_close_drains_the_in_flight_call_then_removes_the_socket(cluster: Cluste
     c = cluster.coordinator(pool)
     cluster.ctl(0, "script", int(Op.MAP), "stall", 0.6)
     t, result = _in_thread(lambda: c.map([1]))
-    time.sleep(0.2)  # rank 0 is inside the MAP now
+    cluster.wait_in_flight(0)
     start = time.monotonic()
     drained, file_left = cluster.ctl(0, "close_listener", 5.0)
     assert drained and not file_left
-    assert time.monotonic() - start >= 0.2  # it waited for the call
+    assert time.monotonic() - start >= 0.1  # it waited for the call
     t.join(5)
     assert result == [None]  # the in-flight call completed and its reply was delivered
     cluster.assert_agree(pool, [1])
@@ -65,7 +65,7 @@ def test_close_that_cannot_drain_keeps_the_socket_for_a_retry(cluster: Cluster, 
     c = cluster.coordinator(pool, timeout=5.0)
     cluster.ctl(1, "script", int(Op.MAP), "stall", 1.2)
     t, result = _in_thread(lambda: c.map([3]))
-    time.sleep(0.2)
+    cluster.wait_in_flight(1)
     drained, file_left = cluster.ctl(1, "close_listener", 0.2)
     assert not drained and file_left  # reported, files kept
     with pytest.raises(ConnectionRefusedError):  # but it already stopped accepting
@@ -85,7 +85,7 @@ def test_close_wakes_a_call_blocked_on_the_epoch_fence(cluster: Cluster, pool: i
     c.unmap([1], epoch=epoch)  # queued on every rank: page 1 is retiring
     cluster.ctl(0, "set_busy_wait", 30.0)
     t, result = _in_thread(lambda: c.map([1]))  # rank 0 waits for the epoch (up to 30 s)
-    time.sleep(0.3)
+    cluster.wait_in_flight(0)
     start = time.monotonic()
     drained, _ = cluster.ctl(0, "close_listener", 5.0)
     assert drained and time.monotonic() - start < 2.0  # woken, not waited out
@@ -103,7 +103,7 @@ def test_transport_close_wakes_a_pending_broadcast(cluster: Cluster, pool: int) 
     c = Coordinator(transport, pool=pool, timeout=30.0)
     cluster.ctl(1, "script", int(Op.MAP), "stall", 1.0)
     t, result = _in_thread(lambda: c.map([2]))
-    time.sleep(0.2)
+    cluster.wait_in_flight(1)
     start = time.monotonic()
     transport.close()
     t.join(5)

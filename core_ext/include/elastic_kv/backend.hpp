@@ -1,29 +1,31 @@
 // The backend seam: every virtual-memory call the data plane makes goes through this interface.
 //
 // Problem: the same paging logic must drive CUDA (driver API), HIP, and plain host memory (so that every test
-// runs on a CPU machine), and tests must be able to make any single call fail. So the data plane never calls a
-// driver directly; it calls a Backend, and the concrete backend is chosen at run time:
+// runs on a CPU machine), and tests must be able to make any single call fail. So the data plane never calls
+// a driver directly; it calls a Backend, and the concrete backend is chosen at run time:
 //
 //   CudaBackend          dlopen("libcuda.so.1") + cuGetProcAddress; no link-time dependency on CUDA
 //   HipBackend           dlopen("libamdhip64.so"); same shape (untested on AMD hardware)
 //   HostBackend          mmap(PROT_NONE) reservations + one memfd per physical handle, with a budget
 //   FaultInjectingBackend  wraps any backend and fails the Nth call of a chosen operation
 //
-// The operations mirror the CUDA virtual memory API, including its restrictions, because that is the strictest
-// target: a physical handle is always mapped whole at offset 0 (cuMemMap at a non-zero offset is not
-// supported), a fresh mapping is inaccessible until set_access, and unmap must cover whole mappings.
+// The operations mirror the CUDA virtual memory API, including its restrictions, because that is the
+// strictest target: a physical handle is always mapped whole at offset 0 (cuMemMap at a non-zero offset is
+// not supported), a fresh mapping is inaccessible until set_access, and unmap must cover whole mappings.
 //
 // Non-virtual interface: the public methods count calls and live handles/bytes, then call the protected do_*
-// hooks. Counting in one place keeps every backend honest (tests compare live_handles before/after a failure).
+// hooks. Counting in one place keeps every backend honest (tests compare live_handles before/after a
+// failure).
 //
 // Thread safety: every public method may be called from any thread (the driver serializes internally; the
 // host backend has its own mutex). Counters are atomics.
 //
-// Zero pages: a backend hands out shared, zero-filled handles per size (zero_page()). They back every unbacked
-// slot of every space, so a stray access reads zeros instead of faulting (on CUDA an access to an unmapped
-// address is a sticky, process-fatal error). A stray *write* lands in the shared zero page and becomes visible
-// through every unbacked slot that aliases a zero page of that size; the ledger never issues blocks on unbacked
-// pages, so only padding/garbage writes can reach it. Cost: one handle of each distinct mapping-unit size in use.
+// Zero pages: a backend hands out shared, zero-filled handles per size (zero_page()). They back every
+// unbacked slot of every space, so a stray access reads zeros instead of faulting (on CUDA an access to an
+// unmapped address is a sticky, process-fatal error). A stray *write* lands in the shared zero page and
+// becomes visible through every unbacked slot that aliases a zero page of that size; the ledger never issues
+// blocks on unbacked pages, so only padding/garbage writes can reach it. Cost: one handle of each distinct
+// mapping-unit size in use.
 #pragma once
 
 #include <atomic>
@@ -55,7 +57,17 @@ struct MemInfo {
 };
 
 // The operations a fault-injecting backend can fail, and that every backend counts.
-enum class Op : int { kReserve = 0, kFreeVa, kCreate, kRelease, kMap, kUnmap, kSetAccess, kSynchronize, kCount };
+enum class Op : int {
+  kReserve = 0,
+  kFreeVa,
+  kCreate,
+  kRelease,
+  kMap,
+  kUnmap,
+  kSetAccess,
+  kSynchronize,
+  kCount
+};
 
 const char* op_name(Op op) noexcept;
 // Parses an op name ("map", "set_access", ...); throws InvalidArgument for an unknown name.
@@ -74,9 +86,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
   virtual Device device() const noexcept = 0;
   // Size and alignment unit of every handle and mapping, in bytes.
   virtual std::size_t granularity() const noexcept = 0;
-  // True when one unmap call may cover several adjacent whole mappings (the data plane then coalesces unmaps).
+  // True when one unmap call may cover several adjacent whole mappings (the data plane then coalesces
+  // unmaps).
   virtual bool multi_unmap() const noexcept { return false; }
-  // True when create() returns zero-filled memory (memfd pages); zero pages then skip the temporary zero fill.
+  // True when create() returns zero-filled memory (memfd pages); zero pages then skip the temporary zero
+  // fill.
   virtual bool creates_zeroed() const noexcept { return false; }
 
   // Reserves `size` bytes of virtual address space aligned to `alignment` (both multiples of granularity()).

@@ -4,8 +4,8 @@
 // on machines without a driver -- including the CPU machines where every test runs. So the backend dlopen()s
 // "libcuda.so.1" and resolves each entry point with cuGetProcAddress, asking for the ABI of CUDA 12.0 (or of
 // the driver, if older), so that versioned symbols (cuMemGetInfo_v2, cuCtxPushCurrent_v2, ...) resolve to the
-// signatures declared in cuda_backend.cpp. No cuda.h is needed: the few types and enum values used are declared
-// there by hand from the driver ABI.
+// signatures declared in cuda_backend.cpp. No cuda.h is needed: the few types and enum values used are
+// declared there by hand from the driver ABI.
 //
 // Errors: a missing library, entry point, device or VMM support is a ConfigurationError at construction.
 // CUDA_ERROR_OUT_OF_MEMORY from cuMemCreate *or* cuMemMap becomes OutOfMemory; any other code becomes a
@@ -17,8 +17,8 @@
 //
 // Cost model (H200, driver 580, per 2 MiB handle): create 10-12 us, map 1 us, set_access 27-29 us, unmap
 // 16-18 us, release 10 us; per handle, not per byte. multi_unmap: one cuMemUnmap over several adjacent whole
-// mappings, probed once at construction (the documentation only promises that a mapping cannot be split); when
-// the probe fails the data plane unmaps one mapping per call.
+// mappings, probed once at construction (the documentation only promises that a mapping cannot be split);
+// when the probe fails the data plane unmaps one mapping per call.
 //
 // The library is never unloaded (see dynlib.hpp); the primary context is released in the destructor.
 #pragma once

@@ -1,14 +1,14 @@
 // The DLPack ABI (v0.8 "legacy" DLManagedTensor), declared here so that the module needs neither dlpack.h
 // nor torch at build time.
 //
-// A TensorSpace leaves C++ as a PyCapsule named "dltensor" holding a DLManagedTensor: a flat uint8 tensor over
-// the whole reserved range, on the backend's device. torch.from_dlpack (every torch from 1.10 to 2.14)
-// consumes it, renames the capsule "used_dltensor" and calls `deleter` when the tensor dies. manager_ctx owns a
-// shared_ptr to the space, so the reservation (and therefore every address the tensor can reach) outlives the
-// tensor; the base address never moves because a space never re-reserves.
+// A TensorSpace leaves C++ as a PyCapsule named "dltensor" holding a DLManagedTensor: a flat uint8 tensor
+// over the whole reserved range, on the backend's device. torch.from_dlpack (every torch from 1.10 to 2.14)
+// consumes it, renames the capsule "used_dltensor" and calls `deleter` when the tensor dies. manager_ctx owns
+// a shared_ptr to the space, so the reservation (and therefore every address the tensor can reach) outlives
+// the tensor; the base address never moves because a space never re-reserves.
 //
-// Layout rules we rely on: the struct layouts and enum values below are fixed by the DLPack ABI and must not be
-// reordered.
+// Layout rules we rely on: the struct layouts and enum values below are fixed by the DLPack ABI and must not
+// be reordered.
 #pragma once
 
 #include <cstdint>

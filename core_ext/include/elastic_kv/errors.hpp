@@ -1,17 +1,19 @@
 // Error types of the elastic-kv data plane.
 //
 // Problem: the data plane sits between a driver that reports failure as integer codes and Python callers that
-// must decide what to do from the *type* of an error alone (retry later, give up on the pool, fix the config).
-// Every failure therefore leaves C++ as exactly one of the types below, and the Python binding maps each type to
-// one Python exception (see python/bindings.cpp):
+// must decide what to do from the *type* of an error alone (retry later, give up on the pool, fix the
+// config). Every failure therefore leaves C++ as exactly one of the types below, and the Python binding maps
+// each type to one Python exception (see python/bindings.cpp):
 //
 //   InvalidArgument     -> ValueError                           bad argument; nothing changed
 //   OutOfMemory         -> elastic_kv.errors.PoolExhausted      physical memory short; fully rolled back
-//   StateInconsistent   -> elastic_kv.errors.StateConsistencyError   a rollback failed; the group refuses work
-//   ConfigurationError  -> elastic_kv.errors.ConfigError        driver/library/layout cannot be served
-//   DriverError         -> elastic_kv._vmm.BackendError          a driver call failed (not memory); rolled back
+//   StateInconsistent   -> elastic_kv.errors.StateConsistencyError   a rollback failed; the group refuses
+//   work ConfigurationError  -> elastic_kv.errors.ConfigError        driver/library/layout cannot be served
+//   DriverError         -> elastic_kv._vmm.BackendError          a driver call failed (not memory); rolled
+//   back
 //
-// Invariant: no code path calls abort()/exit(); a failure that cannot be rolled back becomes StateInconsistent.
+// Invariant: no code path calls abort()/exit(); a failure that cannot be rolled back becomes
+// StateInconsistent.
 #pragma once
 
 #include <stdexcept>
@@ -59,8 +61,8 @@ class OutOfMemory : public DriverError {
   using DriverError::DriverError;
 };
 
-// A rollback failed: what the data plane believes and what the device holds may differ. The owning space/group
-// is marked inconsistent and refuses further work; the process keeps running.
+// A rollback failed: what the data plane believes and what the device holds may differ. The owning
+// space/group is marked inconsistent and refuses further work; the process keeps running.
 class StateInconsistent : public Error {
  public:
   using Error::Error;

@@ -1,13 +1,17 @@
 // FaultInjectingBackend: makes the Nth call of a chosen backend operation fail, for tests.
 //
 // Problem: the rollback paths of the data plane (and the quarantine that follows a failed rollback) only run
-// when the driver fails, which a real driver does rarely and never on demand. This wrapper forwards every call
-// to an inner backend and, when armed, throws instead of forwarding -- before the inner call, so the inner
-// backend's state is untouched, exactly like a driver call that failed its validation.
+// when the driver fails, which a real driver does rarely and never on demand. This wrapper forwards every
+// call to an inner backend and, when armed, throws instead of forwarding -- before the inner call, so the
+// inner backend's state is untouched, exactly like a driver call that failed its validation.
 //
 //   arm(op, nth, times, oom): the nth call of `op` from now fails, and so do the following times-1 calls
 //                             (times < 0: every call from the nth on, until disarm()). `oom` selects
 //                             OutOfMemory (what cuMemCreate/cuMemMap report) over a generic DriverError.
+//
+//   delay(op, us):            every call of `op` first sleeps `us` microseconds (a slow driver), so that
+//   tests
+//                             can observe work in flight (pending pre-mapping, interleaved threads).
 //
 // Tests enumerate injection points by counting calls per operation in an uninjected run (calls(op)) and then
 // arming each position 1..N in a fresh setup; injected(op) proves that the armed failure actually fired.
@@ -28,7 +32,9 @@ class FaultInjectingBackend final : public Backend {
 
   // Arms a failure (see the header comment). Replaces an earlier plan for the same op. nth >= 1, times != 0.
   void arm(Op op, long nth, long times, bool oom);
-  // Disarms every op.
+  // Every later call of `op` sleeps `microseconds` first (0 = no delay).
+  void set_delay(Op op, long microseconds);
+  // Disarms every op and removes every delay.
   void disarm() noexcept;
   // Failures injected so far for `op` (since construction).
   std::size_t injected(Op op) const;
@@ -66,6 +72,7 @@ class FaultInjectingBackend final : public Backend {
   std::array<long, static_cast<int>(Op::kCount)> seen_{};
   std::array<std::size_t, static_cast<int>(Op::kCount)> injected_{};
   std::array<Plan, static_cast<int>(Op::kCount)> plans_{};
+  std::array<long, static_cast<int>(Op::kCount)> delay_us_{};
 };
 
 }  // namespace elastic_kv

@@ -12,7 +12,8 @@
 //     retries once, so cached memory never causes an OOM by itself.
 //   * A reused handle still holds its previous contents (exactly like a fresh cuMemCreate, which is not
 //     zeroed either). The ledger only hands out blocks it will overwrite.
-//   * A handle whose release fails (give_back over the cap, trim) is kept in a separate list, never handed out
+//   * A handle whose release fails (give_back over the cap, trim) is kept in a separate list, never handed
+//   out
 //     again, counted (failed_releases) and retried by trim() and the destructor.
 //
 // Invariant: backend.live_handles == handles held by groups + cached_handles + failed_releases + zero pages.

@@ -2,8 +2,8 @@
 //
 // UNTESTED ON AMD HARDWARE: there is no ROCm device where this project runs. It compiles everywhere (no HIP
 // headers: the few types and enum values are declared in hip_backend.cpp from the HIP ABI) and is unit-tested
-// against a fake libamdhip64 built by the tests (tests/dataplane/fake_driver), which checks the call sequence,
-// sizes and error mapping, not the hardware.
+// against a fake libamdhip64 built by the tests (tests/dataplane/fake_driver), which checks the call
+// sequence, sizes and error mapping, not the hardware.
 //
 // Entry points come from dlsym (HIP exports every versioned symbol under its plain name). VMM support is
 // detected by hipMemGetAllocationGranularity: hipErrorNotSupported means no VMM on this device/runtime.

@@ -6,18 +6,18 @@
 //
 //   reserve      mmap(PROT_NONE, MAP_NORESERVE) of the aligned range: address space only
 //   create       memfd_create + ftruncate: one file per physical handle (zero-filled by the kernel)
-//   map          mmap(MAP_FIXED | MAP_SHARED) of the memfd at the address, PROT_NONE (like cuMemMap: no access)
-//   set_access   mprotect(PROT_READ | PROT_WRITE)
-//   unmap        mmap(MAP_FIXED, PROT_NONE, anonymous) over the range: back to a bare reservation
-//   release      close(fd); the memory lives on while a mapping still references it (like cuMemRelease)
+//   map          mmap(MAP_FIXED | MAP_SHARED) of the memfd at the address, PROT_NONE (like cuMemMap: no
+//   access) set_access   mprotect(PROT_READ | PROT_WRITE) unmap        mmap(MAP_FIXED, PROT_NONE, anonymous)
+//   over the range: back to a bare reservation release      close(fd); the memory lives on while a mapping
+//   still references it (like cuMemRelease)
 //
 // It is deliberately strict, so that bookkeeping bugs in the layers above fail here the way they would fail
 // on the driver: mapping over a mapping, unmapping a sub-range of a mapping (or, unless multi_unmap, several
 // mappings at once), mapping a released handle, or a size that is not the handle's size are errors.
 //
-// Physical budget: `physical_budget` bytes (0 = unlimited) bound the memory of handles that exist or are still
-// mapped, so "out of memory" happens (create throws OutOfMemory) and can be tested. `granularity` may emulate a
-// GPU's 2 MiB (any multiple of the OS page size); 0 means the OS page size.
+// Physical budget: `physical_budget` bytes (0 = unlimited) bound the memory of handles that exist or are
+// still mapped, so "out of memory" happens (create throws OutOfMemory) and can be tested. `granularity` may
+// emulate a GPU's 2 MiB (any multiple of the OS page size); 0 means the OS page size.
 //
 // Each handle costs one file descriptor; on EMFILE the soft RLIMIT_NOFILE is raised to the hard limit once.
 // Thread safety: one mutex guards the tables and is held across the (fast, non-blocking) syscalls.
@@ -86,8 +86,8 @@ class HostBackend final : public Backend {
   const bool multi_unmap_;
 
   mutable std::mutex mu_;
-  std::map<VAddr, std::size_t> reservations_;   // start -> size
-  std::map<VAddr, MappingRecord> mappings_;     // start -> mapping
+  std::map<VAddr, std::size_t> reservations_;  // start -> size
+  std::map<VAddr, MappingRecord> mappings_;    // start -> mapping
   std::unordered_map<HandleId, HandleRecord> handles_;
   HandleId next_handle_ = 1;  // never reused, so a stale handle id is caught rather than aliased
   std::size_t resident_ = 0;

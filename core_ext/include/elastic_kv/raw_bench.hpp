@@ -27,7 +27,7 @@ struct RawLoopTimes {
   double release_s = 0;
 };
 
-RawLoopTimes raw_driver_loop(const std::shared_ptr<Backend>& backend, std::size_t page_size, std::size_t count,
-                             bool pooled);
+RawLoopTimes raw_driver_loop(const std::shared_ptr<Backend>& backend, std::size_t page_size,
+                             std::size_t count, bool pooled);
 
 }  // namespace elastic_kv

@@ -5,24 +5,24 @@
 // The group translates pages into the mapping units of its spaces and makes every change all-or-nothing.
 //
 // Geometry. An extent (space, base, step, length) gives logical page p the bytes
-// [base + p*step, base + p*step + length) of that space. The slots a page touches are derived from its extents.
-// Slots touched by several pages (a block straddling a slot boundary, a layer not starting on a slot boundary)
-// are reference-counted: backed while any page touching them is mapped, so misalignment never loses capacity.
-// An extent whose base, step and length are multiples of the page size, whose pages do not overlap and whose
-// slots no other extent touches becomes *compound*: one handle of `length` bytes per page instead of one per
-// slot (driver cost is per handle, not per byte). Every other touched slot is a one-slot unit.
+// [base + p*step, base + p*step + length) of that space. The slots a page touches are derived from its
+// extents. Slots touched by several pages (a block straddling a slot boundary, a layer not starting on a slot
+// boundary) are reference-counted: backed while any page touching them is mapped, so misalignment never loses
+// capacity. An extent whose base, step and length are multiples of the page size, whose pages do not overlap
+// and whose slots no other extent touches becomes *compound*: one handle of `length` bytes per page instead
+// of one per slot (driver cost is per handle, not per byte). Every other touched slot is a one-slot unit.
 //
 // Unit state. mapped_refs counts mapped pages touching the unit; prepared_refs counts pages of prepared
 // transactions. A unit is physically backed iff mapped_refs > 0, and holds a handle iff mapped_refs +
-// prepared_refs > 0 -- so abort() can always restore a prepared page from the handles it retained, even when a
-// neighbouring page sharing a unit was unmapped meanwhile, without allocating.
+// prepared_refs > 0 -- so abort() can always restore a prepared page from the handles it retained, even when
+// a neighbouring page sharing a unit was unmapped meanwhile, without allocating.
 //
 // Operations (each all-or-nothing; a ValueError-class problem is detected before any state changes):
-//   map(pages)              acquire handles from the HandlePool, back the units; OutOfMemory after a full rollback
-//   prepare(tx, pages)      unback the units, keep the handles in the transaction
-//   commit(tx)              give the handles back to the pool (cannot fail; a failed release is quarantined)
-//   abort(tx)               re-back the units with the retained handles; on failure the tx stays prepared
-//   unmap(pages)            prepare + commit under an internal transaction
+//   map(pages)              acquire handles from the HandlePool, back the units; OutOfMemory after a full
+//   rollback prepare(tx, pages)      unback the units, keep the handles in the transaction commit(tx) give
+//   the handles back to the pool (cannot fail; a failed release is quarantined) abort(tx) re-back the units
+//   with the retained handles; on failure the tx stays prepared unmap(pages)            prepare + commit
+//   under an internal transaction
 // Outcomes of finished transactions are kept in a bounded history: commit/abort are idempotent, commit of an
 // aborted tx (or abort of a committed one) is refused, abort of an unknown tx records it as aborted (presumed
 // abort), so a prepare that arrives after its abort is refused.
@@ -31,9 +31,9 @@
 // inconsistent and every later operation throws StateInconsistent; close() still cleans up best effort.
 //
 // Background pre-mapping. map_async(pages) queues a request that a C++ worker thread maps page by page
-// (re-taking the group mutex between pages so that foreground calls interleave); the request is all-or-nothing
-// and its pages are "pending" (not mappable, not unmappable) until it finishes. collect() returns the results.
-// The worker never calls into Python. close()/the destructor stop and join it.
+// (re-taking the group mutex between pages so that foreground calls interleave); the request is
+// all-or-nothing and its pages are "pending" (not mappable, not unmappable) until it finishes. collect()
+// returns the results. The worker never calls into Python. close()/the destructor stop and join it.
 //
 // Locking order: SpaceGroup::mu_ -> TensorSpace::mu_ -> HandlePool::mu_ -> Backend internals. Every public
 // method takes mu_ for its whole duration (driver calls included: the driver serializes anyway, and one lock

@@ -11,13 +11,14 @@
 // zeros; a stray write lands in the shared zero page (see backend.hpp for what that means).
 //
 // Mapping units. A physical handle always backs a whole *unit*: a run of slots mapped by one handle (cuMemMap
-// cannot map at an offset into a handle, and cuMemUnmap cannot split a mapping). The owning SpaceGroup decides
-// the units (one slot, or a compound run of slots for aligned extents) and tile_zero() gives each unit one
-// zero mapping of its own size, so that backing a unit costs one unmap + one map + one set_access regardless of
-// its size. The price is one zero page per distinct unit size (a 64 MiB compound unit needs a 64 MiB zero page).
+// cannot map at an offset into a handle, and cuMemUnmap cannot split a mapping). The owning SpaceGroup
+// decides the units (one slot, or a compound run of slots for aligned extents) and tile_zero() gives each
+// unit one zero mapping of its own size, so that backing a unit costs one unmap + one map + one set_access
+// regardless of its size. The price is one zero page per distinct unit size (a 64 MiB compound unit needs a
+// 64 MiB zero page).
 //
-// Costs per unit (H200, 2 MiB): back = unmap(zero) 17 us + map 1 us + set_access 28 us; unback = unmap 17 us +
-// map(zero) 1 us + set_access(zero) 28 us. When the backend can unmap several adjacent mappings in one call
+// Costs per unit (H200, 2 MiB): back = unmap(zero) 17 us + map 1 us + set_access 28 us; unback = unmap 17 us
+// + map(zero) 1 us + set_access(zero) 28 us. When the backend can unmap several adjacent mappings in one call
 // (Backend::multi_unmap), back() and unback() coalesce the unmaps of adjacent units into one call.
 //
 // Failure handling. back() and unback() are all-or-nothing: when a driver call fails they restore every unit
@@ -97,7 +98,9 @@ class TensorSpace {
   };
 
   VAddr addr(std::uint32_t slot) const noexcept { return base_ + static_cast<VAddr>(slot) * page_size_; }
-  std::size_t bytes(std::uint32_t nslots) const noexcept { return static_cast<std::size_t>(nslots) * page_size_; }
+  std::size_t bytes(std::uint32_t nslots) const noexcept {
+    return static_cast<std::size_t>(nslots) * page_size_;
+  }
   void set_head(std::uint32_t start, std::uint32_t nslots, Mapping m);
   void check_usable() const;
   void mark_inconsistent(const std::string& why);
@@ -128,8 +131,8 @@ class TensorSpace {
   VAddr base_ = 0;
 
   mutable std::mutex mu_;
-  std::vector<std::uint32_t> head_;  // slot -> head slot of the mapping covering it
-  std::vector<Mapping> maps_;        // indexed by head slot
+  std::vector<std::uint32_t> head_;      // slot -> head slot of the mapping covering it
+  std::vector<Mapping> maps_;            // indexed by head slot
   std::shared_ptr<ZeroPage> slot_zero_;  // the page_size zero page (kept so that re-tiling cannot fail on it)
   const void* owner_ = nullptr;
   bool consistent_ = true;

@@ -205,6 +205,27 @@ class BlockGeometry:
                 running = max(running, self._span_end(e))
                 ends.append(running)
             self._span_max_end.append(ends)
+        # Slots covered by the spans of two or more extents of a space (layer boundaries that are not
+        # slot-aligned, aliasing cache groups), as sorted inclusive (first, last) runs per space: only there,
+        # and at the first and last slot of a page's range, can a page share a slot (see exclusive_bytes).
+        self._contested: list[list[tuple[int, int]]] = []
+        size = self.page_size
+        for exts in self._space_extents:
+            edges: list[tuple[int, int]] = []
+            for e in exts:
+                edges += [(e.base // size, 1), ((self._span_end(e) - 1) // size + 1, -1)]
+            runs: list[tuple[int, int]] = []
+            depth, start = 0, 0
+            for slot, step in sorted(edges):
+                if depth >= 2 and slot > start:
+                    if runs and runs[-1][1] >= start - 1:
+                        runs[-1] = (runs[-1][0], slot - 1)
+                    else:
+                        runs.append((start, slot - 1))
+                depth += step
+                start = slot
+            self._contested.append(runs)
+        self._touching: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def _span_end(self, ext: Extent) -> int:
         return ext.base + (self.num_pages - 1) * ext.step + ext.length
@@ -366,20 +387,43 @@ class BlockGeometry:
     def exclusive_bytes(self, pages: Iterable[int], is_mapped: Callable[[int], bool]) -> int:
         """Physical bytes of the slots that ``pages`` touch and that no *other* page with
         ``is_mapped(page)`` touches: what mapping ``pages`` adds, or what unmapping them releases, given the
-        pages mapped now. Exact (it is what the data plane's slot reference counts do); O(1) per page when
-        no slot is shared."""
+        pages mapped now. Exact (it is what the data plane's slot reference counts do).
+
+        O(1) per page when no slot is shared. Otherwise only the slots that can be shared are looked up:
+        the first and last slot of each of a page's ranges and slots where extents' spans overlap (a slot
+        strictly inside a page's range, of an extent whose pages do not overlap, belongs to that page
+        alone); lookups are cached, so a page costs O(extents)."""
         batch = set(pages)
         if not self.shares_slots:
             return len(batch) * self.page_bytes
-        slots: set[tuple[int, int]] = set()
+        size = self.page_size
+        check: set[tuple[int, int]] = set()
+        alone = 0  # slots only this page can touch
         for page in batch:
-            for space, first, last in self.page_slots(page):
-                slots.update((space, s) for s in range(first, last + 1))
-        free = 0
-        for space, slot in slots:
-            if not any(p not in batch and is_mapped(p) for p in self.pages_touching(space, slot)):
-                free += self.page_size
-        return free
+            for ext in self.extents:
+                start = ext.base + page * ext.step
+                first, last = start // size, (start + ext.length - 1) // size
+                if ext.length > ext.step or last - first < 2:
+                    check.update((ext.space, s) for s in range(first, last + 1))
+                    continue
+                check.add((ext.space, first))
+                check.add((ext.space, last))
+                inner = last - first - 1
+                for lo, hi in self._contested[ext.space]:
+                    if hi <= first or lo >= last:
+                        continue
+                    shared = range(max(lo, first + 1), min(hi, last - 1) + 1)
+                    check.update((ext.space, s) for s in shared)
+                    inner -= len(shared)
+                alone += inner
+        free = alone
+        for key in check:
+            touching = self._touching.get(key)
+            if touching is None:
+                touching = self._touching[key] = tuple(self.pages_touching(*key))
+            if not any(p not in batch and is_mapped(p) for p in touching):
+                free += 1
+        return free * size
 
     def describe(self) -> str:
         """One line for logs: blocks, pages, page footprint and whether slots are shared."""

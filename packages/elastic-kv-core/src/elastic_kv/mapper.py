@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from elastic_kv import _vmm
+    from elastic_kv.geometry import BlockGeometry
 
 __all__ = ["AsyncPageMapper", "LocalMapper", "MapResult", "PageMapper"]
 
@@ -47,13 +48,16 @@ class AsyncPageMapper(PageMapper, Protocol):
     """A :class:`PageMapper` that can also map in the background.
 
     ``map_async(pages)`` queues one all-or-nothing job and returns its id at once (no driver call on the
-    caller's thread); ``collect()`` returns the jobs finished since the last call, never blocking. The
-    caller must not map or unmap a page of a job that has not been collected yet.
+    caller's thread); ``collect()`` returns the jobs finished since the last call without blocking, and
+    ``collect(wait=True)`` first waits until every queued job has finished. The caller must not map or
+    unmap a page of a job that has not been collected yet. A failed job's error text starts with the
+    error type (``"PoolExhausted: ..."``, ``"StateConsistencyError: ..."``, ``"BackendError: ..."``,
+    ``"Cancelled: ..."``).
     """
 
     def map_async(self, pages: Sequence[int]) -> int: ...
 
-    def collect(self) -> list[MapResult]: ...
+    def collect(self, wait: bool = False) -> list[MapResult]: ...
 
 
 class LocalMapper:
@@ -85,6 +89,26 @@ class LocalMapper:
         """Queue ``pages`` for the group's background mapping thread; returns the job id."""
         return int(self._group.map_async(list(pages)))
 
-    def collect(self) -> list[MapResult]:
-        """Jobs the background thread finished since the last call (never blocks)."""
-        return [(int(job), [int(p) for p in pages], error) for job, pages, error in self._group.collect()]
+    def collect(self, wait: bool = False) -> list[MapResult]:
+        """Jobs the background thread finished since the last call; ``wait=True`` first waits for all."""
+        return [(int(job), [int(p) for p in pages], error) for job, pages, error in self._group.collect(wait)]
+
+    @classmethod
+    def for_geometry(
+        cls, backend: _vmm.Backend, geometry: BlockGeometry, *, cached_bytes: int = 0
+    ) -> LocalMapper:
+        """Reserve the geometry's spaces on ``backend`` and group them: a ready mapper for a
+        :class:`~elastic_kv.ledger.KVCacheManager`. ``cached_bytes`` caps the physical handles kept for
+        reuse after unmap (0 = release at once); they save a create/release per map/unmap cycle but hold
+        device memory that no pool is charged for, so keep the cap small (the ledger's reserve already
+        avoids most cycles). The engine's tensors are ``torch.from_dlpack(space)`` over
+        ``mapper.group.spaces``."""
+        from elastic_kv import _vmm
+
+        spaces = [_vmm.TensorSpace(backend, size, geometry.page_size) for size in geometry.space_sizes]
+        pool = _vmm.HandlePool(backend, cached_bytes)
+        return cls(_vmm.SpaceGroup(spaces, geometry.extent_tuples(), geometry.num_pages, pool))
+
+    def close(self) -> None:
+        """Close the group (returns every unit to the zero page and its handles to the pool)."""
+        self._group.close()

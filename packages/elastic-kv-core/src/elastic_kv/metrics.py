@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from elastic_kv.errors import ConfigError
 from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry
 
 __all__ = ["RegistryCollector", "main", "serve"]
@@ -170,14 +171,17 @@ def serve(port: int, addr: str = "127.0.0.1", registry: Registry | None = None) 
     def _stop(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    previous = signal.signal(signal.SIGTERM, _stop)
+    # Signal handlers can only be installed from the main thread; elsewhere the caller stops the process.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     logger.info("serving elastic-kv metrics on http://%s:%d/metrics", addr, server.server_port)
     try:
         stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         server.shutdown()
         thread.join()
 
@@ -192,7 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    serve(args.port, args.addr, Registry(args.registry_dir))
+    try:
+        registry = Registry(args.registry_dir)
+    except ConfigError as exc:
+        logger.error("elastic_kv.metrics: %s", exc)
+        return 4  # as kvctl: the registry directory cannot be used
+    serve(args.port, args.addr, registry)
     return 0
 
 

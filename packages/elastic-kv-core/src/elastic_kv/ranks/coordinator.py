@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,8 +119,9 @@ class Coordinator:
     def map(self, pages: Sequence[int]) -> None:
         """Back ``pages`` on every rank, all or nothing.
 
-        Raises ``ValueError`` (bad pages), ``PoolExhausted``, ``TimeoutError`` -- each after a rollback that
-        left every rank unchanged -- or ``StateConsistencyError`` (the pool is now in the error state).
+        Raises ``ValueError`` (bad pages), ``PoolExhausted``, ``TimeoutError``, ``_vmm.BackendError`` -- each
+        after a rollback that left every rank unchanged -- or ``StateConsistencyError`` (the pool is now in
+        the error state).
         """
         with self._lock:
             checked = self._begin(pages)
@@ -207,10 +209,13 @@ class Coordinator:
     # --- internals ------------------------------------------------------------------------------
     def _begin(self, pages: Sequence[int]) -> tuple[int, ...]:
         self._check()
-        checked = tuple(pages)
-        for page in checked:
-            if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page!r} is not an integer in [0, {self.num_pages})")
+        try:  # operator.index: any integer type (numpy's included), never a float or a bool
+            checked = tuple(operator.index(p) for p in pages if not isinstance(p, bool))
+        except TypeError:
+            checked = ()
+        if len(checked) != len(pages) or any(not 0 <= p < self.num_pages for p in checked):
+            bad = next((p for p in pages if isinstance(p, bool) or not _in_range(p, self.num_pages)), pages)
+            raise ValueError(f"page {bad!r} is not an integer in [0, {self.num_pages})")
         if len(set(checked)) != len(checked):
             raise ValueError("duplicate pages")
         if self._pending_commits:
@@ -342,6 +347,13 @@ class Coordinator:
                 diff = sorted(set(s.mapped_pages) ^ set(first.mapped_pages))
                 raise self._fail(f"ranks 0 and {i} map different pages (they differ on {_short(diff)})")
         return statuses
+
+
+def _in_range(page: object, num_pages: int) -> bool:
+    try:
+        return 0 <= operator.index(page) < num_pages  # type: ignore[arg-type]
+    except TypeError:
+        return False
 
 
 def _short(pages: Sequence[int], limit: int = 8) -> str:

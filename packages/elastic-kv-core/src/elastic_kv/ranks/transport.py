@@ -56,7 +56,8 @@ class Transport(Protocol):
       ``Reply.request_id``);
     * the same request may be broadcast again (a retry); ranks treat duplicates idempotently;
     * calls are not concurrent (the coordinator serializes them); ``close`` may be called from another thread
-      and must wake a broadcast in progress (its pending ranks become ``NoReply(gone=True)``).
+      and wakes a broadcast in progress where the channel allows it (its pending ranks become
+      ``NoReply(gone=True)``); an engine RPC that cannot be interrupted ends at its own timeout instead.
     """
 
     @property
@@ -106,7 +107,8 @@ class BroadcastTransport:
 
     The RPC is all-or-nothing (like ``collective_rpc``): if ``call`` raises, every rank's outcome is unknown.
     Exceptions of the types in ``gone_errors`` mean the ranks are gone for good (the engine's executor died);
-    anything else (``TimeoutError`` included) means "no reply this time".
+    anything else (``TimeoutError`` included) means "no reply this time". ``close`` cannot interrupt a call in
+    progress (the engine's RPC ends at ``timeout``); it makes later broadcasts answer "gone" at once.
     """
 
     def __init__(

@@ -1,0 +1,547 @@
+"""KVCacheManager over the real host data plane: allocation, free, epochs, reserve, limits, failures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from elastic_kv import _vmm
+from elastic_kv.config import ElasticConfig
+from elastic_kv.errors import StateConsistencyError
+from elastic_kv.snapshot import PoolSnapshot, PoolState
+
+from .ledger_helpers import (
+    SLOT,
+    BudgetRecord,
+    Pool,
+    check_invariants,
+    fingerprint,
+    make_pool,
+    small_geometry,
+    straddling_geometry,
+)
+
+PAGE_BYTES = small_geometry().page_bytes  # 2 layers x one 64 KiB slot
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    p = make_pool()
+    yield p
+    p.close()
+
+
+def fill_pages(pool: Pool, pages: int) -> list[list[int]]:
+    """Allocate whole pages one at a time (page 0 holds the null block, so it gets 3)."""
+    return [pool.ledger.alloc(4 if i else 3) or [] for i in range(pages)]
+
+
+def test_alloc_returns_exact_distinct_live_ids_on_backed_pages(pool: Pool) -> None:
+    led = pool.ledger
+    got = led.alloc(10)
+    assert got is not None and len(got) == 10 == len(set(got))
+    assert 0 not in got  # the null block is never issued
+    assert all(led.is_live(b) for b in got)
+    assert led.used_blocks == 10
+    check_invariants(pool, set(got))
+    assert sorted(pool.group.mapped_pages()) == [0, 1, 2]  # 3 + 4 + 3 blocks: page-affine
+    assert led.alloc(0) == []
+    with pytest.raises(ValueError):
+        led.alloc(-1)
+
+
+def test_alloc_more_than_exists_takes_nothing(pool: Pool) -> None:
+    pool.ledger.alloc(5)
+    before = fingerprint(pool)
+    assert pool.ledger.alloc(64) is None  # 63 blocks exist beside the null block, 5 are taken
+    assert fingerprint(pool) == before
+
+
+def test_best_fit_then_emptiest(pool: Pool) -> None:
+    led = pool.ledger
+    pages = fill_pages(pool, 4)  # pages 0..3 full
+    led.free(pages[1][:2])  # page 1: 2 free
+    led.free(pages[2][:1])  # page 2: 1 free
+    led.free(pages[3][:3])  # page 3: 3 free
+    got = led.alloc(2)
+    assert got is not None and {led.geometry.page_of(b) for b in got} == {1}  # smallest page holding 2
+    got = led.alloc(1)
+    assert got is not None and {led.geometry.page_of(b) for b in got} == {2}  # exact fit beats page 3
+    got = led.alloc(4)  # no partial page holds 4: the emptiest (page 3, 3 free) first, then a new page
+    assert got is not None and [led.geometry.page_of(b) for b in got][:3] == [3, 3, 3]
+    assert pool.group.mapped_pages() == [0, 1, 2, 3, 4]
+    check_invariants(pool)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[-1], [64], [7], [0], [5, 5], [5, 7], [True], [5.0], ["5"], [5, 6, 10**9]],
+    ids=[
+        "negative",
+        "past-end",
+        "never-issued",
+        "null",
+        "repeated",
+        "second-not-live",
+        "bool",
+        "float",
+        "str",
+        "late",
+    ],
+)
+def test_free_rejects_bad_ids_and_changes_nothing(pool: Pool, bad: list[object]) -> None:
+    assert pool.ledger.alloc(6) is not None  # blocks 1..6 live, 7 not
+    before = fingerprint(pool)
+    with pytest.raises(ValueError):
+        pool.ledger.free(bad)  # type: ignore[arg-type]
+    assert fingerprint(pool) == before
+
+
+def test_double_free_is_rejected(pool: Pool) -> None:
+    got = pool.ledger.alloc(3)
+    assert got is not None
+    pool.ledger.free(got)
+    before = fingerprint(pool)
+    with pytest.raises(ValueError, match="not live"):
+        pool.ledger.free(got[:1])
+    assert fingerprint(pool) == before
+
+
+def test_ids_of_another_pool_are_rejected(pool: Pool) -> None:
+    other = make_pool()
+    try:
+        theirs = other.ledger.alloc(9)
+        assert theirs is not None
+        pool.ledger.alloc(2)
+        before = fingerprint(pool)
+        with pytest.raises(ValueError):
+            pool.ledger.free(theirs)
+        assert fingerprint(pool) == before
+    finally:
+        other.close()
+
+
+def test_emptied_pages_fill_the_reserve_up_to_its_cap_then_unmap() -> None:
+    pool = make_pool(
+        config=ElasticConfig(page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=2)
+    )
+    try:
+        led = pool.ledger
+        pages = fill_pages(pool, 6)
+        assert pool.group.num_mapped == 6
+        for blocks in pages[1:]:
+            led.free(blocks)
+        assert [led.page_state(p) for p in range(6)] == ["used"] + ["reserve"] * 2 + ["unmapped"] * 3
+        assert pool.group.mapped_pages() == [0, 1, 2]
+        check_invariants(pool, set(pages[0]))
+        assert led.trim() == 2
+        assert pool.group.mapped_pages() == [0]
+        assert led.charged_bytes == pool.group.mapped_bytes == PAGE_BYTES
+    finally:
+        pool.close()
+
+
+def test_reserve_pages_are_used_without_mapping() -> None:
+    pool = make_pool(config=ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4))
+    try:
+        led = pool.ledger
+        blocks = led.alloc(7)  # pages 0, 1
+        assert blocks is not None
+        led.free(blocks[3:])  # page 1 empties into the reserve
+        maps = pool.backend.calls("map")
+        again = led.alloc(4)
+        assert again is not None and {led.geometry.page_of(b) for b in again} == {1}
+        assert pool.backend.calls("map") == maps  # no driver call
+        assert led.snapshot().reserve_hits == 1
+    finally:
+        pool.close()
+
+
+def test_deferred_release_waits_for_its_epoch() -> None:
+    cfg = ElasticConfig(
+        page_size=SLOT, premap=False, defer_release=True, reserve_min_pages=0, reserve_max_pages=0
+    )
+    pool = make_pool(config=cfg)
+    try:
+        led = pool.ledger
+        pages = fill_pages(pool, 4)
+        e1 = led.advance_epoch()
+        led.free(pages[1])  # empties in epoch e1
+        e2 = led.advance_epoch()
+        led.free(pages[2])  # empties in epoch e2
+        assert led.page_state(1) == led.page_state(2) == "pending"
+        assert pool.group.mapped_pages() == [0, 1, 2, 3]  # still backed: the GPU may still use them
+        assert led.snapshot().pending_pages == 2
+        assert led.release_through(e1 - 1) == 0
+        assert led.release_through(e1) == 1
+        assert pool.group.mapped_pages() == [0, 2, 3]
+        # a pending page can be reused at once (reuse is safe, only unmapping must wait) ...
+        maps = pool.backend.calls("map")
+        reused = led.alloc(4)
+        assert reused is not None and {led.geometry.page_of(b) for b in reused} == {2}
+        assert pool.backend.calls("map") == maps
+        # ... and its stale queue entry does not release it later
+        assert led.release_through(e2) == 0
+        assert led.page_state(2) == "used"
+        led.free(reused)  # empties again, in epoch e2: pending until e2 is released again
+        assert led.page_state(2) == "pending"
+        assert led.release_through(e2) == 1
+        assert pool.group.mapped_pages() == [0, 3]
+        check_invariants(pool, set(pages[0]) | set(pages[3]))
+    finally:
+        pool.close()
+
+
+def test_null_block_is_backed_for_life_and_never_issued(pool: Pool) -> None:
+    led = pool.ledger
+    assert led.null_block == 0 and led.is_live(0)
+    assert pool.group.mapped_pages() == [0]
+    everything = led.alloc(63)
+    assert everything is not None and 0 not in everything
+    assert led.alloc(1) is None
+    led.clear()
+    assert pool.group.mapped_pages() == [0] and led.used_blocks == 0 and led.is_live(0)
+    assert led.available_size() == 63
+
+
+def test_no_null_block_issues_block_zero() -> None:
+    pool = make_pool(null_block=None)
+    try:
+        assert pool.group.num_mapped == 0
+        got = pool.ledger.alloc(64)
+        assert got is not None and sorted(got) == list(range(64))
+        pool.ledger.free(got)
+        assert pool.ledger.used_blocks == 0
+    finally:
+        pool.close()
+
+
+def test_available_size_follows_limit_and_cached_free_memory() -> None:
+    calls = []
+    free_memory = [5 * PAGE_BYTES]
+
+    def physical_free() -> int:
+        calls.append(1)
+        return free_memory[0]
+
+    clock = [0.0]
+    cfg = ElasticConfig(page_size=SLOT, premap=False, limit_bytes=8 * PAGE_BYTES, free_memory_ttl_s=1.0)
+    pool = make_pool(config=cfg, physical_free=physical_free, clock=lambda: clock[0])
+    try:
+        led = pool.ledger
+        assert len(calls) == 1
+        # page 0 backed (3 free) + 5 pages of driver memory (below the 7 pages the limit leaves)
+        assert led.available_size() == 3 + 5 * 4
+        got = led.alloc(7)  # backs page 1: the cached reading is corrected by our own charge
+        assert got is not None
+        assert led.available_size() == 4 * 4  # page 1 full; 4 pages of driver memory left
+        assert len(calls) == 1  # alloc and available_size never ask the driver
+        free_memory[0] = 100 * PAGE_BYTES
+        led.maintain()
+        assert len(calls) == 1  # the reading is younger than free_memory_ttl_s
+        clock[0] = 2.0
+        led.maintain()
+        assert len(calls) == 2
+        assert led.available_size() == 6 * 4  # now the limit binds: 8 pages in all, 2 backed
+        assert led.alloc(25) is None
+        assert led.alloc(24) is not None
+    finally:
+        pool.close()
+
+
+def test_lowering_the_limit_shrinks_as_blocks_drain() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4)
+    pool = make_pool(config=cfg)
+    try:
+        led = pool.ledger
+        pages = fill_pages(pool, 6)
+        led.free(pages[5])  # page 5 -> reserve
+        assert pool.group.num_mapped == 6
+        led.resize(3 * PAGE_BYTES)
+        snap = led.snapshot()
+        assert snap.state is PoolState.SHRINKING and snap.reserve_pages == 0
+        assert pool.group.mapped_pages() == [0, 1, 2, 3, 4]  # reserve returned now, live pages kept
+        assert led.available_size() == 0
+        led.free(pages[4][:2])
+        again = led.alloc(2)  # served from the backed page, no new page
+        assert again is not None
+        assert led.alloc(3) is None  # would need a new page beyond the limit
+        led.free(pages[4][2:] + again)  # page 4 empties: unmapped, not kept in the reserve
+        assert pool.group.mapped_pages() == [0, 1, 2, 3]
+        led.free(pages[3])
+        assert pool.group.mapped_pages() == [0, 1, 2]
+        assert led.snapshot().state is PoolState.ACTIVE
+        check_invariants(pool, {b for p in pages[:3] for b in p})
+        led.resize(0)  # no limit: grows at once
+        assert led.alloc(12) is not None
+        assert pool.group.num_mapped == 6
+    finally:
+        pool.close()
+
+
+def test_clear_frees_everything_but_the_null_block(pool: Pool) -> None:
+    pool.ledger.alloc(30)
+    pool.ledger.clear()
+    assert pool.ledger.used_blocks == 0
+    assert pool.group.mapped_pages() == [0]
+    check_invariants(pool, set())
+
+
+def test_out_of_memory_in_the_data_plane_leaves_everything_unchanged() -> None:
+    pool = make_pool(fault=True)
+    try:
+        led = pool.ledger
+        led.alloc(2)
+        before = fingerprint(pool)
+        pool.backend.fail("create", nth=2, error="oom")  # the second handle of a 2-layer page
+        assert led.alloc(6) is None
+        assert pool.backend.injected("create") == 1
+        assert fingerprint(pool) == before
+        assert led.alloc(6) is not None  # pressure passed: works again
+        check_invariants(pool)
+    finally:
+        pool.close()
+
+
+def test_driver_error_propagates_with_nothing_changed() -> None:
+    pool = make_pool(fault=True)
+    try:
+        before = fingerprint(pool)
+        pool.backend.fail("map", error="error")
+        with pytest.raises(_vmm.BackendError):
+            pool.ledger.alloc(4)
+        assert fingerprint(pool) == before
+        assert pool.ledger.alloc(4) is not None
+    finally:
+        pool.close()
+
+
+def test_failed_unmap_keeps_the_page_backed_and_retries() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=0)
+    pool = make_pool(config=cfg, fault=True)
+    try:
+        led = pool.ledger
+        got = led.alloc(7)
+        assert got is not None
+        pool.backend.fail("unmap", error="error")
+        led.free(got[3:])  # page 1 empties; its unmap fails and is rolled back by the data plane
+        assert led.page_state(1) == "reserve" and pool.group.is_mapped(1)
+        check_invariants(pool, set(got[:3]))
+        led.maintain()  # the reserve is over its target: unmapped now
+        assert not pool.group.is_mapped(1)
+        check_invariants(pool, set(got[:3]))
+    finally:
+        pool.close()
+
+
+def test_failed_rollback_marks_the_pool_inconsistent() -> None:
+    pool = make_pool(fault=True)
+    try:
+        # the second layer's slot fails to map, and so does every map of the rollback (zero page back)
+        pool.backend.fail("map", nth=2, times=-1, error="error")
+        with pytest.raises(StateConsistencyError):
+            pool.ledger.alloc(4)
+        assert pool.ledger.snapshot().state is PoolState.INCONSISTENT
+        with pytest.raises(StateConsistencyError):
+            pool.ledger.alloc(1)
+        with pytest.raises(StateConsistencyError):
+            pool.ledger.free([1])
+    finally:
+        pool.backend.clear()
+        pool.ledger.close()
+
+
+def settle(pool: Pool, timeout: float = 5.0) -> None:
+    """Run maintain() until the data plane's background maps have been collected."""
+    deadline = time.monotonic() + timeout
+    pool.ledger.maintain()
+    while pool.ledger.snapshot().inflight_pages:
+        assert time.monotonic() < deadline, "background maps did not finish"
+        time.sleep(0.001)
+        pool.ledger.maintain()
+
+
+def test_background_premap_serves_allocations_without_driver_calls() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
+    pool = make_pool(config=cfg)
+    try:
+        led = pool.ledger
+        led.maintain()  # queues 2 pages on the data plane's thread
+        assert led.snapshot().inflight_pages == 2
+        settle(pool)
+        assert led.snapshot().reserve_pages == 2
+        check_invariants(pool)
+        maps = pool.backend.calls("map")
+        got = led.alloc(3 + 4 + 4)  # page 0's free blocks, then both reserve pages
+        assert got is not None
+        snap = led.snapshot()
+        assert (snap.reserve_hits, snap.reserve_misses) == (2, 0) and led.reserve_hit_rate == 1.0
+        # the allocating thread made no driver call: maps since are the background refill (2 pages x 2 layers)
+        settle(pool)
+        assert pool.backend.calls("map") - maps == 4
+        assert led.snapshot().reserve_pages == 2
+        check_invariants(pool, set(got))
+    finally:
+        pool.close()
+
+
+def test_alloc_waits_for_pages_still_in_flight() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=3, reserve_max_pages=8)
+    pool = make_pool(config=cfg, fault=True)
+    try:
+        led = pool.ledger
+        pool.backend.delay("map", 0.01)  # a slow driver: the background maps are still running ...
+        led.maintain()  # ... queued here (pages 1-3)
+        got = led.alloc(3 + 3 * 4)  # page 0's free blocks and the three queued pages: alloc waits for them
+        assert got is not None
+        assert {led.geometry.page_of(b) for b in got} == {0, 1, 2, 3}
+        snap = led.snapshot()
+        assert (snap.reserve_hits, snap.reserve_misses) == (0, 3)  # waited for: misses
+        assert pool.group.mapped_pages()[:4] == [0, 1, 2, 3]
+        pool.backend.clear()
+        settle(pool)
+        check_invariants(pool, set(got))
+    finally:
+        pool.close()
+
+
+def test_growth_ramp_is_served_from_the_reserve() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        for _ in range(40):  # one new page per engine step
+            assert led.alloc(4) is not None
+            led.maintain()
+            led.settle()  # the step's GPU time: the background maps queued in it have landed
+        snap = led.snapshot()
+        assert snap.reserve_misses == 0 and snap.reserve_hits >= 39
+    finally:
+        pool.close()
+
+
+def test_steady_state_allocations_hit_the_reserve() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        live: list[list[int]] = []
+        for step in range(400):
+            got = led.alloc(4)  # a request of one page arrives ...
+            assert got is not None
+            live.append(got)
+            if len(live) > 10:  # ... and an old one finishes
+                led.free(live.pop(0))
+            led.maintain()
+            if step == 20:
+                warm = led.snapshot()
+        end = led.snapshot()
+        assert end.reserve_misses == warm.reserve_misses, "steady-state alloc waited for the driver"
+        assert end.reserve_hits > warm.reserve_hits
+        check_invariants(pool)
+    finally:
+        pool.close()
+
+
+def test_record_is_charged_exactly_what_is_backed() -> None:
+    record = BudgetRecord()
+    geo = straddling_geometry()
+    pool = make_pool(geo, ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=1), record=record)
+    try:
+        led = pool.ledger
+        got = [led.alloc(n) for n in (1, 2, 3, 1, 5)]
+        assert record.charged_bytes == led.charged_bytes == pool.group.mapped_bytes
+        for blocks in got:
+            assert blocks is not None
+            led.free(blocks)
+            assert record.charged_bytes == pool.group.mapped_bytes
+        led.trim()
+        assert record.charged_bytes == pool.group.mapped_bytes == geo.exclusive_bytes([0], lambda p: False)
+        assert {op for op, _ in record.samples} == {"map", "unmap"}
+    finally:
+        pool.close()
+    assert record.charged_bytes == 0
+
+
+def test_budget_refusal_is_pressure_not_failure() -> None:
+    record = BudgetRecord(budget=[3 * PAGE_BYTES, 0])
+    pool = make_pool(record=record)
+    try:
+        led = pool.ledger
+        assert led.alloc(11) is not None  # 3 pages
+        before = fingerprint(pool)
+        assert led.alloc(1) is None
+        assert fingerprint(pool) == before
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("premap", [False, True])
+def test_record_error_propagates_with_nothing_changed(premap: bool) -> None:
+    record = BudgetRecord()
+    cfg = ElasticConfig(page_size=SLOT, premap=premap, reserve_min_pages=2)
+    pool = make_pool(config=cfg, record=record)
+    try:
+        led = pool.ledger
+        before = fingerprint(pool)
+        if premap:
+            record.fail_next = StateConsistencyError("the record's device slot belongs to another pool")
+            with pytest.raises(StateConsistencyError):
+                led.maintain()  # refilling the reserve charges the record
+            assert fingerprint(pool) == before
+        record.fail_next = StateConsistencyError("the record's device slot belongs to another pool")
+        with pytest.raises(StateConsistencyError):
+            led.alloc(4)  # needs a new page
+        assert fingerprint(pool) == before
+        assert record.charged_bytes == led.charged_bytes == pool.group.mapped_bytes
+    finally:
+        pool.close()
+
+
+def test_kvctl_limit_and_trim_arrive_through_poll() -> None:
+    record = BudgetRecord()
+    cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4, publish_interval_s=0)
+    pool = make_pool(config=cfg, record=record)
+    try:
+        led = pool.ledger
+        pages = fill_pages(pool, 4)
+        led.free(pages[3])
+        assert led.snapshot().reserve_pages == 1
+        record.trim_requested = True
+        led.maintain()
+        assert led.snapshot().reserve_pages == 0
+        record.limit_bytes, record.limit_changed = 2 * PAGE_BYTES, True
+        led.maintain()
+        snap = record.published[-1]
+        assert isinstance(snap, PoolSnapshot)
+        assert snap.state is PoolState.SHRINKING and snap.limit_bytes == 2 * PAGE_BYTES
+    finally:
+        pool.close()
+
+
+def test_snapshot_counts() -> None:
+    pool = make_pool()
+    try:
+        led = pool.ledger
+        led.alloc(9)
+        snap = led.snapshot()
+        assert (snap.total_blocks, snap.used_blocks, snap.free_blocks) == (64, 9, 54)
+        assert (snap.total_pages, snap.mapped_pages, snap.blocks_per_page) == (16, 3, 4)
+        assert snap.mapped_bytes == 3 * PAGE_BYTES == pool.group.mapped_bytes
+        assert PoolSnapshot.from_dict(snap.as_dict()) == snap
+    finally:
+        pool.close()
+
+
+def test_closed_pool_refuses_work_and_returns_everything() -> None:
+    record = BudgetRecord()
+    pool = make_pool(record=record)
+    pool.ledger.alloc(20)
+    pool.ledger.close()
+    assert pool.group.num_mapped == 0 and record.charged_bytes == 0
+    with pytest.raises(ValueError, match="closed"):
+        pool.ledger.alloc(1)
+    pool.ledger.close()  # idempotent
+    pool.mapper.close()

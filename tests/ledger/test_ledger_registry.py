@@ -1,0 +1,79 @@
+"""The ledger with the real shared-memory registry (``elastic_kv.registry``, built on the ``limits`` branch).
+
+Skipped where the registry is not merged yet. Two pools of one device share a GPU-wide budget; ``kvctl``'s
+operations (``Registry.set_limit`` / ``request_trim`` / ``set_budget``) reach a pool through ``maintain()``;
+the record's charge always equals what the data plane backs; snapshots reach ``kvctl``'s view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from elastic_kv.config import ElasticConfig
+from elastic_kv.snapshot import PoolState
+
+from .ledger_helpers import SLOT, Pool, check_invariants, make_pool, small_geometry
+
+registry = pytest.importorskip("elastic_kv.registry", reason="elastic_kv.registry is on the limits branch")
+registry_view = pytest.importorskip("elastic_kv.registry_view")
+
+PAGE = small_geometry().page_bytes
+CFG = ElasticConfig(
+    page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=4, publish_interval_s=0
+)
+
+
+@pytest.fixture
+def pools(tmp_path: Path) -> Iterator[tuple[Pool, Pool, Any]]:
+    view = registry_view.Registry(tmp_path)
+    view.set_budget("gpu0", 6 * PAGE)
+    records = [
+        registry.PoolRecord.create(
+            name, device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+        )
+        for name in ("a", "b")
+    ]
+    a, b = (make_pool(config=CFG, record=record, name=record.name) for record in records)
+    yield a, b, view
+    for pool, record in zip((a, b), records, strict=True):
+        pool.close()
+        assert record.charged_bytes == 0
+        record.close()
+
+
+def test_two_pools_share_the_gpu_budget(pools: tuple[Pool, Pool, Any]) -> None:
+    a, b, view = pools
+    assert a.ledger.alloc(3 + 3 * 4) is not None  # a: 4 pages
+    assert b.ledger.alloc(3 + 1 * 4) is not None  # b: 2 pages -> the budget (6 pages) is spent
+    assert b.ledger.alloc(4) is None  # pressure, not a failure
+    for pool in (a, b):
+        check_invariants(pool)
+        record = pool.ledger._phys.record
+        assert record is not None and record.charged_bytes == pool.group.mapped_bytes
+    # kvctl lowers a's limit: a shrinks as its blocks drain, and b can grow into the freed budget
+    view.set_limit("a", 2 * PAGE)
+    a.ledger.maintain()
+    assert a.ledger.snapshot().state is PoolState.SHRINKING
+    live = [blk for blk in range(64) if a.ledger.is_live(blk) and blk != 0]
+    a.ledger.free([blk for blk in live if a.ledger.geometry.page_of(blk) >= 2])
+    a.ledger.maintain()
+    assert a.ledger.snapshot().state is PoolState.ACTIVE and a.group.num_mapped == 2
+    b.ledger.maintain()
+    assert b.ledger.alloc(8) is not None  # two more pages for b
+    info = view.pool("a")
+    assert info.snapshot is not None and info.snapshot.mapped_pages == 2 and info.charged_bytes == 2 * PAGE
+
+
+def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, Any]) -> None:
+    a, _, view = pools
+    blocks = a.ledger.alloc(3 + 2 * 4)
+    assert blocks is not None
+    a.ledger.free(blocks[3:])
+    assert a.ledger.snapshot().reserve_pages == 2
+    view.request_trim("a")
+    a.ledger.maintain()
+    assert a.ledger.snapshot().reserve_pages == 0 and a.group.num_mapped == 1
+    assert view.pool("a").charged_bytes == PAGE
