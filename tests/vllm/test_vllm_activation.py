@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from elastic_kv.errors import ConfigError
-from tests.support.models import tiny_model
 from vllm_elastic_kv import activation, cli, compat, register
 from vllm_elastic_kv.config import BACKEND_ENV, Backend, PluginConfig
+
+from tests.support.models import tiny_model
 
 pytestmark = pytest.mark.vllm
 

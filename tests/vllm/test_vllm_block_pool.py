@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.ledger import KVCacheManager as Ledger

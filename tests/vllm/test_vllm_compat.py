@@ -11,10 +11,9 @@ import inspect
 import textwrap
 
 import pytest
-from vllm_wheels import WheelSource, WheelUnavailable, calls_in_order, check_target, lookup, wheel
-
 from elastic_kv.errors import ConfigError
 from vllm_elastic_kv import compat
+from vllm_wheels import WheelSource, WheelUnavailable, calls_in_order, check_target, lookup, wheel
 
 pytestmark = pytest.mark.vllm
 

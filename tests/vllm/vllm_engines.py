@@ -191,7 +191,6 @@ def _reference() -> dict[str, Any]:
 def _installed_not_enabled() -> dict[str, Any]:
     """The plugin installed, not enabled, engine core and worker in this process: what ran?"""
     from vllm import LLM
-
     from vllm_elastic_kv import compat
 
     llm = LLM(**engine_kwargs(enable_prefix_caching=True))

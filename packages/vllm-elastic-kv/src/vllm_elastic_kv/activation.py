@@ -25,6 +25,7 @@ from typing import Any
 
 from elastic_kv.errors import ConfigError
 from elastic_kv.ranks import new_instance_name
+
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
 

@@ -25,9 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-
 from elastic_kv.errors import ConfigError
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["KVAllocation", "planned_allocations"]
 

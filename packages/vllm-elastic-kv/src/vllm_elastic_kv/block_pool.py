@@ -39,10 +39,9 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from elastic_kv.errors import PoolExhausted
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
-
-from elastic_kv.errors import PoolExhausted
 
 if TYPE_CHECKING:
     from elastic_kv.ledger import KVCacheManager as Ledger

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_kv.errors import ConfigError
+
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, Backend
 

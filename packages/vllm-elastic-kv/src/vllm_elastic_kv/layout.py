@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry, strided_families
 

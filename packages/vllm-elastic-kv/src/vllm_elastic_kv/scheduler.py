@@ -10,7 +10,9 @@ picks the one matching ``async_scheduling``). They change three things:
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
 * ``schedule``: after vLLM scheduled the step, the step's release epoch starts and the pool does its
   housekeeping (reserve, ``kvctl`` limit);
-* ``update_from_output``: pages emptied while that step could still read them are released now.
+* ``update_from_output``: pages emptied while that step could still read them are released now; when no
+  request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
+  block's page.
 """
 
 from __future__ import annotations
@@ -89,8 +91,15 @@ class ElasticSchedulerMixin:
         """vLLM's ``reset_prefix_cache``; on success the pool returns its memory at once when idle."""
         ok = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
         if ok:
-            self.elastic_pool.quiesce()
+            self.elastic_pool.settle_idle()
         return ok
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``finish_requests`` (aborts); if that left the engine idle, the pool settles."""
+        result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        if not self.has_unfinished_requests():  # type: ignore[attr-defined]
+            self.elastic_pool.settle_idle()
+        return result
 
     def shutdown(self) -> None:
         """vLLM's ``shutdown``, then the pool's pages and record are returned."""

@@ -12,10 +12,8 @@ are serving their ranks by then) and wires:
 
 Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
 epoch; :meth:`SchedulerPool.step_completed` when the scheduler processes that step's output releases pages
-emptied up to it; :meth:`SchedulerPool.quiesce` releases every pending page when no step is in flight
-(idle engine, sleep). A small daemon thread keeps the pool's
-housekeeping (``maintain``: shrinking the reserve, ``kvctl`` limit changes) going while the engine is
-idle and no step calls it; it only touches the ledger, which is thread-safe.
+emptied up to it; :meth:`SchedulerPool.settle_idle` returns everything but the null block's page when the
+engine goes idle (no step in flight). Everything runs on the scheduler's thread, which owns the ledger.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import logging
 import queue
 import re
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +31,7 @@ from elastic_kv.ledger import KVCacheManager as Ledger
 from elastic_kv.mapper import MapResult
 from elastic_kv.ranks import Coordinator, SocketTransport
 from elastic_kv.registry import PoolRecord
+
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
@@ -43,7 +41,6 @@ __all__ = ["CoordinatorMapper", "SchedulerPool", "StepEpochs", "pool_name"]
 
 logger = logging.getLogger(__name__)
 
-_IDLE_PERIOD_S = 0.25
 _HANDSHAKE_TIMEOUT_S = 120.0
 
 
@@ -83,6 +80,7 @@ class CoordinatorMapper:
         self.inner = inner
         self.calls = 0  # synchronous map/unmap requests (the scheduler thread waited for the driver)
         self.async_jobs = 0
+        self._outstanding = 0  # queued and not yet collected
         self._jobs: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[MapResult] = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -103,17 +101,21 @@ class CoordinatorMapper:
         """Queue an all-or-nothing map of ``pages`` on the background thread; returns the job id."""
         job = next(self._ids)
         self.async_jobs += 1
+        self._outstanding += 1
         self._jobs.put((job, list(pages)))
         return job
 
-    def collect(self) -> list[MapResult]:
-        """Jobs finished since the last call: ``(job, pages, None | error text)``; never blocks."""
+    def collect(self, wait: bool = False) -> list[MapResult]:
+        """Jobs finished since the last call, ``(job, pages, None | error text)``; never blocks unless
+        ``wait``, which first waits for every queued job."""
         out: list[MapResult] = []
-        while True:
+        while self._outstanding:
             try:
-                out.append(self._done.get_nowait())
+                out.append(self._done.get(block=wait))
             except queue.Empty:
-                return out
+                break
+            self._outstanding -= 1
+        return out
 
     def _serve(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -217,16 +219,13 @@ class SchedulerPool:
         self.mapper = CoordinatorMapper(self.coordinator)
         self.ledger = Ledger(self.geometry, self.mapper, cfg, record=self.record, name=self.record.name)
         pool.attach(self.ledger)
+        self.record.publish(self.ledger.snapshot())  # kvctl shows the pool before its first step
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
         self.steps = 0  # steps dispatched
         self.driver_steps = 0  # of which the scheduler thread waited for a map/unmap since the previous
         self._calls_seen = 0
-        self._last_maintain = time.monotonic()
-        self._stop = threading.Event()
-        self._idle = threading.Thread(target=self._idle_loop, name="elastic-kv-idle", daemon=True)
-        self._idle.start()
         logger.info(
             "elastic KV pool %r: %s; %d rank(s); limit %s",
             self.record.name,
@@ -244,7 +243,6 @@ class SchedulerPool:
             self.block_pool.trim_cached()
         epoch = self.epochs.step_dispatched()
         self.ledger.maintain()
-        self._last_maintain = time.monotonic()
         self.steps += 1
         if self.mapper.calls != self._calls_seen:
             self._calls_seen = self.mapper.calls
@@ -256,39 +254,34 @@ class SchedulerPool:
         if idle:
             self.block_pool.trim_cached(keep_pages=self.idle_cache_pages)
         self.epochs.step_completed(epoch)
+        if idle:
+            self.settle_idle()
 
-    def quiesce(self) -> None:
-        """Release every pending page and the reserve when no step is in flight (sleep, cache reset)."""
-        if self.epochs.quiesce():
-            self.ledger.trim()
+    def settle_idle(self) -> None:
+        """The engine has nothing left to run: once no step is in flight, release every pending page and
+        the reserve (the next request maps what it needs) and publish the pool's state for ``kvctl``.
+
+        vLLM's engine loop blocks while idle and the ledger belongs to the scheduler's thread, so this runs
+        at the transition to idle (last output processed, last request aborted, prefix cache reset, sleep)
+        rather than on a timer; ``kvctl`` changes made while idle apply at the next step."""
+        if not self.epochs.quiesce():
+            return
+        self.ledger.settle()
+        self.ledger.trim()
+        self.record.publish(self.ledger.snapshot())
 
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
         limit = self.record.limit_bytes
         return bool(limit) and self.ledger.charged_bytes > limit
 
-    # -- idle housekeeping --------------------------------------------------------------------------------
-    def _idle_loop(self) -> None:
-        while not self._stop.wait(_IDLE_PERIOD_S):
-            if time.monotonic() - self._last_maintain < _IDLE_PERIOD_S:
-                continue  # steps are running: they maintain the pool
-            try:
-                self.epochs.quiesce()
-                self.ledger.maintain()
-            except Exception as exc:
-                logger.warning("elastic KV idle housekeeping stopped: %s", exc)
-                return
-
     def close(self) -> None:
-        """Stop housekeeping and return the pool's record and charge (engine shutdown; idempotent).
+        """Return the pool's record and charge (engine shutdown; idempotent).
 
         vLLM shuts the executor down before the scheduler, so the workers -- and with them every backed
         page -- are gone by now: nothing is unmapped from here."""
-        self._stop.set()
-        if self._idle.is_alive() and threading.current_thread() is not self._idle:
-            self._idle.join(timeout=2 * _IDLE_PERIOD_S)
         for step in (self.mapper.close, self.transport.close, self.record.close):
             try:
                 step()
-            except Exception:
+            except Exception:  # shutdown continues
                 logger.debug("elastic KV shutdown step %s failed", step, exc_info=True)

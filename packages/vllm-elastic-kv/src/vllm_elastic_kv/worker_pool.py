@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from elastic_kv import _vmm
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ranks import Rank, SocketListener, socket_path
+
 from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
