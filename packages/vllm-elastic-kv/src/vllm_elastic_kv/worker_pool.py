@@ -53,18 +53,31 @@ def make_backend(device: torch.device) -> Any:
 
 class _ZeroingTarget:
     """The rank's view of the ``SpaceGroup``: every call is the group's, and ``map`` also zeroes the new
-    pages' blocks (exact block byte ranges, so no neighbour's bytes are touched) and waits for it."""
+    pages' blocks (exact block byte ranges, so no neighbour's bytes are touched) and waits for it.
+
+    On a GPU the memsets run on a stream of their own (non-blocking with respect to the engine's streams),
+    so a map never waits for a forward pass in flight, and are complete before the map is acknowledged.
+    """
 
     def __init__(self, group: Any, geometry: BlockGeometry, flats: Sequence[torch.Tensor]) -> None:
         self._group = group
         self._geo = geometry
         self._flats = flats
+        self._stream = torch.cuda.Stream(flats[0].device) if flats and flats[0].is_cuda else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
 
     def map(self, pages: Sequence[int]) -> None:
         self._group.map(pages)
+        if self._stream is None:
+            self._zero(pages)
+            return
+        with torch.cuda.stream(self._stream):
+            self._zero(pages)
+        self._stream.synchronize()
+
+    def _zero(self, pages: Sequence[int]) -> None:
         geo = self._geo
         for page in pages:
             blocks = geo.blocks_of(page)
@@ -77,8 +90,6 @@ class _ZeroingTarget:
                     for b in blocks:
                         lo = fam.base + b * fam.stride
                         flat[lo : lo + fam.nbytes].zero_()
-        if self._flats and self._flats[0].is_cuda:
-            torch.cuda.current_stream(self._flats[0].device).synchronize()
 
 
 class WorkerPool:
