@@ -30,7 +30,6 @@ pytestmark = pytest.mark.vllm
 BLOCK = 16  # tokens per block
 NUM_BLOCKS = 64
 LAYER_BLOCK_BYTES = BLOCK * 2 * 64 * 2 * 2  # tokens x kv heads x head size x (K, V) x fp16 = 8 KiB
-PAGE = 2 * LAYER_BLOCK_BYTES  # 2 blocks per page
 
 
 @dataclasses.dataclass
@@ -83,20 +82,28 @@ def _kv_cache_config() -> Any:
     )
 
 
-def _stack(*, caching: bool = True, limit_pages: int = 0, defer_release: bool = False) -> Stack:
+def _stack(
+    *,
+    caching: bool = True,
+    limit_pages: int = 0,
+    defer_release: bool = False,
+    reserve: tuple[int, int] = (0, 0),
+    blocks_per_page: int = 2,
+) -> Stack:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     cfg = _kv_cache_config()
-    geo = planned_geometry(cfg, None, "one_buffer", PAGE, max_page_slots=8)
-    assert geo.blocks_per_page == 2 and geo.num_pages == NUM_BLOCKS // 2
+    page = blocks_per_page * LAYER_BLOCK_BYTES
+    geo = planned_geometry(cfg, None, "one_buffer", page, max_page_slots=8)
+    assert geo.blocks_per_page == blocks_per_page and geo.num_pages == -(-NUM_BLOCKS // blocks_per_page)
     backend = _vmm.HostBackend()
-    space = _vmm.TensorSpace(backend, geo.space_sizes[0], PAGE)
+    space = _vmm.TensorSpace(backend, geo.space_sizes[0], page)
     group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 0))
     elastic = ElasticConfig(
-        page_size=PAGE,
-        reserve_min_pages=0,
-        reserve_max_pages=0,
+        page_size=page,
+        reserve_min_pages=reserve[0],
+        reserve_max_pages=reserve[1],
         premap=False,
         defer_release=defer_release,
         limit_bytes=limit_pages * geo.page_bytes,

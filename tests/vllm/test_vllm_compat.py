@@ -101,6 +101,16 @@ _BEHAVIOUR = {
         # The coordinator builds the block pool, the scheduler the KV cache manager, by these names.
         ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.__init__", ("BlockPool",)),
         ("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("KVCacheManager",)),
+        # The elastic pool hands blocks out through vLLM's queue and takes back what vLLM prepends.
+        ("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("popleft_n",)),
+        ("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("prepend_n",)),
+        # allocate_slots checks the free blocks before it allocates (admission relies on the order).
+        (
+            "vllm.v1.core.kv_cache_manager",
+            "KVCacheManager.allocate_slots",
+            ("get_num_free_blocks", "allocate_new_blocks"),
+        ),
+        # Sleep clears the prefix cache through the scheduler (engine core, pause with clear_cache).
     ],
     "per_tensor": [
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._allocate_kv_cache_tensors", ("zeros",)),

@@ -65,6 +65,9 @@ class ElasticBlockPool(BlockPool):
         self._stash: list[int] = []  # ids taken from the ledger by admission, not yet handed out
         self._strict = False  # admission could not back its bound: count backed blocks only
         self._native_count = False  # reset_prefix_cache: count free blocks as vLLM does
+        # Set by ElasticKVCacheManager around the first try of an allocation: only free blocks on backed
+        # pages count, so an allocation that fits takes them without mapping or evicting anything.
+        self.backed_only = False
 
     def attach(self, ledger: Ledger) -> None:
         """Connect the ledger; its null block must be vLLM's (block 0), its blocks these blocks."""
@@ -96,6 +99,8 @@ class ElasticBlockPool(BlockPool):
             return super().get_num_free_blocks()
         if self._native_count:
             return self.num_gpu_blocks - 1 - self.num_referenced
+        if self.backed_only:
+            return ledger.free_backed_blocks
         ready = self.free_block_queue.num_free_blocks + len(self._stash)
         return ready + (ledger.free_backed_blocks if self._strict else ledger.available_size())
 
@@ -136,9 +141,14 @@ class ElasticBlockPool(BlockPool):
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ids = self._take_ids(num_blocks)
-        # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones.
+        # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Its own
+        # check must count the blocks just queued, whatever counting mode the caller is in.
         self.free_block_queue.prepend_n([self.blocks[i] for i in ids])
-        return super().get_new_blocks(num_blocks)
+        backed_only, self.backed_only = self.backed_only, False
+        try:
+            return super().get_new_blocks(num_blocks)
+        finally:
+            self.backed_only = backed_only
 
     def _take_ids(self, n: int) -> list[int]:
         """``n`` ids: stash first, then the ledger; fewer when cached blocks must cover the rest."""

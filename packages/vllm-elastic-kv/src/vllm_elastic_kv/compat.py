@@ -112,6 +112,7 @@ _POOL = "vllm.v1.core.block_pool"
 _MANAGER = "vllm.v1.core.kv_cache_manager"
 _SCHED = "vllm.v1.core.sched.scheduler"
 _WORKER = "vllm.v1.worker.gpu_worker"
+_QUEUE = "vllm.v1.core.kv_cache_utils"
 
 _FRONT_END = (
     Target(ARG_UTILS, "EngineArgs.add_cli_args", params=("parser",), why="adds --kv-cache-backend"),
@@ -149,6 +150,15 @@ _SCHEDULER = (
     Target(_POOL, "BlockPool.get_num_free_blocks", params=("self",)),
     Target(_POOL, "BlockPool.get_usage", params=("self",)),
     Target(_POOL, "BlockPool._maybe_evict_cached_block", params=("self", "block")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.prepend_n", params=("self", "blocks")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.popleft_n", params=("self", "n")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.remove", params=("self", "block")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.get_all_free_blocks", params=("self",)),
+    Target(_MANAGER, "KVCacheManager.reset_prefix_cache", params=("self",)),
+    Target(_SCHED, "Scheduler.finish_requests", params=("self",)),
+    Target(_SCHED, "Scheduler.reset_prefix_cache", params=("self",)),
+    Target("vllm.v1.core.sched.interface", "SchedulerInterface.has_unfinished_requests", params=("self",)),
+    Target(_SCHED, "Scheduler.shutdown", params=("self",)),
 )
 _WORKER_SIDE = (
     Target(_WORKER, "Worker", kind="class", why="base of ElasticGPUWorker"),
@@ -162,6 +172,7 @@ _WORKER_SIDE = (
     Target(_WORKER, "Worker.execute_model", params=("self", "scheduler_output")),
     Target(_WORKER, "Worker.sleep", params=("self", "level")),
     Target(_WORKER, "Worker.wake_up", params=("self", "tags")),
+    Target(_WORKER, "Worker.shutdown", params=("self",)),
 )
 _PER_TENSOR = (
     Target(
@@ -183,6 +194,12 @@ _ONE_BUFFER = (
         "allocate_kv_cache",
         params=("kv_cache_config", "device", "layout"),
         why="one torch.zeros backing buffer for every layer",
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "compute_layer_kv_cache_shape_bytes",
+        params=("spec", "num_blocks"),
+        why="the per-layer block shape the geometry is built from",
     ),
     Target(
         "vllm.v1.kv_cache_interface",

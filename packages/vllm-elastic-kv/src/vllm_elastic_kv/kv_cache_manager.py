@@ -9,8 +9,13 @@ counts only backed blocks, and vLLM's own check then turns the shortage into a n
 state has to be rolled back, because nothing was changed before the check.
 
 The bound: per KV cache group, ``cdiv(new + lookahead + external + encoder tokens, block size) + 2`` (one
-block for a partial block boundary, one for a copy-on-write of a partially hit prefix block). On the
-decode path the pool's backed free blocks cover it and admission costs two integer reads.
+block for a partial block boundary, one for a copy-on-write of a partially hit prefix block). When the
+backed free blocks cover the bound, nothing else happens (an integer comparison). Otherwise vLLM's call is
+first tried counting backed free blocks only -- most calls (decode steps that need no new block) succeed
+right there, without mapping or evicting -- and only if vLLM says no, admission backs the bound and vLLM's
+call runs again. vLLM changes nothing before it returns ``None`` (it only drops blocks that left a sliding
+window, which a second call does not repeat), and its own scheduler retries ``allocate_slots`` the same
+way between preemptions.
 """
 
 from __future__ import annotations
@@ -47,20 +52,34 @@ class ElasticKVCacheManager(KVCacheManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._block_sizes = [int(m.block_size) for m in self.coordinator.single_type_managers]
+        # One KV cache group (the models served today): the decode-path bound without a loop.
+        self._one_size = self._block_sizes[0] if len(self._block_sizes) == 1 else 0
+        pool = self.block_pool
+        self._pool: ElasticBlockPool | None = pool if isinstance(pool, ElasticBlockPool) else None
 
     def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``allocate_slots`` under the pool's admission (see the module docstring)."""
-        pool = self.block_pool
-        if not isinstance(pool, ElasticBlockPool) or pool.ledger is None:
+        pool = self._pool
+        ledger = pool.ledger if pool is not None else None
+        if pool is None or ledger is None:
             return super().allocate_slots(request, *args, **kwargs)
-        ledger = pool.ledger
-        if len(args) == 1 and _FAST_KWARGS.issuperset(kwargs):
+        if self._one_size and len(args) == 1 and (not kwargs or _FAST_KWARGS.issuperset(kwargs)):
             # The scheduler's running-request call: allocate_slots(request, n, num_lookahead_tokens=k).
-            tokens = args[0] + kwargs.get("num_lookahead_tokens", 0)
-            bound = sum(-(-tokens // size) + 2 for size in self._block_sizes)
+            tokens = args[0] + kwargs.get("num_lookahead_tokens", 0) if kwargs else args[0]
+            bound = -(-tokens // self._one_size) + 2
         else:
             bound = admission_bound(self._block_sizes, args, kwargs)
-        if ledger.free_backed_blocks + pool.free_block_queue.num_free_blocks >= bound:
+        if ledger.free_backed_blocks >= bound:
             return super().allocate_slots(request, *args, **kwargs)  # backed already: nothing to do
+        # The bound overestimates (most decode calls need no block at all): first try with the backed free
+        # blocks only; vLLM returns None before changing anything if they do not suffice, and retrying
+        # allocate_slots after a None is what vLLM's own scheduler does between preemptions.
+        pool.backed_only = True  # a flag, not a context manager: this runs per request per step
+        try:
+            blocks = super().allocate_slots(request, *args, **kwargs)
+        finally:
+            pool.backed_only = False
+        if blocks is not None:
+            return blocks
         with pool.admission(bound):
             return super().allocate_slots(request, *args, **kwargs)
