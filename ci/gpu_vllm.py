@@ -12,7 +12,8 @@ graphs and torch.compile on (vLLM's defaults), and prints one summary:
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;
-both backends run that way.
+both backends run that way. The native run excludes the plugin (``VLLM_PLUGINS=""``); the elastic run calls
+``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on ``PYTHONPATH`` is enough.
 
     python3 ci/gpu_vllm.py [--requests 256] [--prompt 256] [--output 128] [--out DIR]
 
@@ -111,6 +112,12 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     mem_get_info, synchronize, device = _memory_probe(args.cpu_smoke)
     backend = args.child
+    if backend == "elastic":
+        # What the entry point does; explicit, so that the plugin's source folder on PYTHONPATH suffices
+        # on a machine where it was not pip-installed (idempotent when the entry point ran too).
+        import vllm_elastic_kv
+
+        vllm_elastic_kv.register()
     extra: dict[str, Any] = (
         {"additional_config": {"kv_cache_backend": "elastic"}} if backend == "elastic" else {}
     )
@@ -232,8 +239,11 @@ def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
     log = Path(args.out) / f"gpu_vllm_{backend}.log"
+    env = {**os.environ, **ENV}
+    if backend == "native":
+        env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
     with open(log, "w") as err:
-        done = subprocess.run(cmd, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=err, text=True)
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     if done.returncode != 0:
         print(f"{backend} run failed; last lines of {log}:", file=sys.stderr)
         print("".join(log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
