@@ -151,6 +151,13 @@ class KVCacheManager(PageBacking):
         return self._live_count() - (self._null is not None)
 
     @property
+    def free_backed_blocks(self) -> int:
+        """Free blocks on backed pages (partly used, reserve, pending): what ``alloc`` serves without a
+        driver call. O(1), no lock (a single int read); engines use it to decide whether an allocation
+        can be made without mapping."""
+        return self._free_backed
+
+    @property
     def reserve_hit_rate(self) -> float:
         """Fraction of new pages served already mapped (from the reserve or pending pages) rather than
         mapped on the allocating thread; 1.0 before any."""

@@ -1,0 +1,33 @@
+"""vllm-elastic-kv: an elastic KV cache for vLLM.
+
+``pip install vllm-elastic-kv`` registers :func:`register` in vLLM's ``vllm.general_plugins`` entry-point
+group; ``vllm serve MODEL --kv-cache-backend=elastic`` (or ``LLM(..., additional_config={"kv_cache_backend":
+"elastic"})``, or ``ELASTIC_KV_BACKEND=elastic``) then runs the engine with a KV cache whose physical memory
+follows load. See ``docs/ARCHITECTURE.md`` (section "vLLM") for how the plugin hooks into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["__version__", "register"]
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group; vLLM calls it in every process it starts.
+
+    It only wraps vLLM's three front-end entry points (``EngineArgs.add_cli_args``, ``from_cli_args``,
+    ``create_engine_config``) so that ``--kv-cache-backend`` exists and ``kv_cache_backend=elastic`` can be
+    turned into vLLM's official ``--scheduler-cls`` / ``--worker-cls`` settings. With the native backend
+    those wrappers return exactly what vLLM returns; nothing on the engine side is touched. Safe to call
+    any number of times (each wrapper is installed once).
+    """
+    # Imported here: vLLM may load plugins while its own modules are still importing.
+    from vllm_elastic_kv import activation, cli, compat
+
+    for patch in (*cli.patches(), activation.patch()):
+        compat.apply_patch(patch)

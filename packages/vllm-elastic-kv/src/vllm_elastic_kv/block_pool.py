@@ -1,0 +1,261 @@
+"""``ElasticBlockPool``: vLLM's ``BlockPool``, drawing free block ids from the elastic ledger.
+
+vLLM's block pool keeps every free block in one LRU queue: never-cached blocks at the front (reused
+first), blocks that still hold a prefix-cache entry at the back (evicted last). This subclass keeps all of
+vLLM's machinery -- the ``KVCacheBlock`` objects, the hash map, ``touch``/ref counts, the null block, KV
+events, metrics, reuse watchers -- and changes one thing: **a block with nothing worth keeping belongs to
+the ledger, not to the queue.** So
+
+* ``free_block_queue`` holds only blocks whose contents are still wanted (cached prefix blocks, blocks
+  released with ``unpin_blocks``): exactly vLLM's eviction candidates, in vLLM's LRU order;
+* the ledger (:class:`elastic_kv.ledger.KVCacheManager`) holds every other free id, issues them
+  page-affinely and backs or releases the pages;
+* free capacity = the ledger's ``available_size()`` (free blocks it can back now, within the physical
+  limit) + the eviction candidates. Cached blocks count as free, as natively: reusing one in place never
+  needs memory.
+
+``get_new_blocks`` asks the ledger first (keeps the cache, as vLLM prefers never-cached blocks), then
+evicts the least recently used cached blocks; it places the chosen blocks at the front of vLLM's queue and
+lets vLLM's own ``get_new_blocks`` hand them out, so eviction events, metrics and watchers are vLLM's.
+``free_blocks`` is vLLM's; the never-cached blocks it puts at the front of the queue go back to the
+ledger.
+
+Admission (:meth:`admission`, used by ``ElasticKVCacheManager.allocate_slots``) makes pool exhaustion a
+scheduler miss without any rollback: before vLLM checks whether a request fits, the pool makes sure that
+as many blocks as the call can possibly take are backed (mapping now if needed). If they cannot all be,
+it backs what the physical headroom allows and reports exactly what is backed for the rest of the call,
+so vLLM's own check returns ``None`` when the request does not fit and the scheduler preempts or waits --
+exactly as with a full native pool -- before anything was changed.
+
+Trimming (:meth:`trim_cached`) returns memory held by the prefix cache: it evicts cached blocks only from
+pages whose every live block is a cached one, least recently used pages first, because evicting a cached
+block on a page that also holds a running request's block frees no memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from elastic_kv.errors import PoolExhausted
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+if TYPE_CHECKING:
+    from elastic_kv.ledger import KVCacheManager as Ledger
+
+__all__ = ["ElasticBlockPool"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticBlockPool(BlockPool):
+    """See the module docstring. Constructed by vLLM (same arguments as ``BlockPool``); :meth:`attach`
+    connects the ledger before the first allocation."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM queued every block; ours holds only blocks worth keeping, and there are none yet.
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.ledger: Ledger | None = None
+        self._stash: list[int] = []  # ids taken from the ledger by admission, not yet handed out
+        self._strict = False  # admission could not back its bound: count backed blocks only
+        self._native_count = False  # reset_prefix_cache: count free blocks as vLLM does
+        # Set by ElasticKVCacheManager around the first try of an allocation: only free blocks on backed
+        # pages count, so an allocation that fits takes them without mapping or evicting anything.
+        self.backed_only = False
+
+    def attach(self, ledger: Ledger) -> None:
+        """Connect the ledger; its null block must be vLLM's (block 0), its blocks these blocks."""
+        if ledger.geometry.num_blocks != self.num_gpu_blocks:
+            raise ValueError(
+                f"ledger has {ledger.geometry.num_blocks} blocks, the pool {self.num_gpu_blocks}"
+            )
+        if ledger.null_block != self.null_block.block_id:
+            raise ValueError(f"ledger null block {ledger.null_block} != vLLM's {self.null_block.block_id}")
+        self.ledger = ledger
+
+    # -- counting -------------------------------------------------------------------------------------
+    @property
+    def num_cached(self) -> int:
+        """Blocks in vLLM's queue: cached prefix blocks (and unpinned ones), all evictable."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_referenced(self) -> int:
+        """Blocks some request holds (ref_cnt > 0), the null block excluded."""
+        assert self.ledger is not None
+        return self.ledger.used_blocks - self.num_cached - len(self._stash)
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks an allocation can get now: the ledger's available blocks (backed, or backable within the
+        physical limit) plus the evictable cached blocks (see :meth:`admission` for the strict count)."""
+        ledger = self.ledger
+        if ledger is None:
+            return super().get_num_free_blocks()
+        if self._native_count:
+            return self.num_gpu_blocks - 1 - self.num_referenced
+        if self.backed_only:
+            return ledger.free_backed_blocks
+        ready = self.free_block_queue.num_free_blocks + len(self._stash)
+        return ready + (ledger.free_backed_blocks if self._strict else ledger.available_size())
+
+    def get_usage(self) -> float:
+        """Fraction of the (virtual) capacity referenced by requests, as vLLM reports it."""
+        if self.ledger is None:
+            return super().get_usage()
+        total = self.num_gpu_blocks - 1
+        return self.num_referenced / total if total else 0.0
+
+    # -- allocation -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def admission(self, bound: int) -> Iterator[None]:
+        """Within the block, up to ``bound`` blocks can be allocated without mapping; if that could not be
+        arranged, ``get_num_free_blocks`` counts backed blocks only. Unused ids go back on exit."""
+        ledger = self.ledger
+        assert ledger is not None and not self._stash and not self._strict
+        if ledger.free_backed_blocks + self.free_block_queue.num_free_blocks < bound:
+            # Back what the bound asks for, or as much of it as the physical headroom allows; in the
+            # second case vLLM's check must see exactly what is backed.
+            want = min(bound, ledger.available_size())
+            ids = ledger.alloc(want) if want > 0 else []
+            self._stash = ids or []
+            self._strict = ids is None or want < bound
+        try:
+            yield
+        finally:
+            if self._stash:
+                stash, self._stash = self._stash, []
+                ledger.free(stash)
+            self._strict = False
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """vLLM's ``get_new_blocks``, served from the stash, the ledger, then the LRU cached blocks."""
+        ledger = self.ledger
+        if ledger is None or num_blocks <= 0:
+            return super().get_new_blocks(num_blocks)
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ids = self._take_ids(num_blocks)
+        # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Its own
+        # check must count the blocks just queued, whatever counting mode the caller is in.
+        self.free_block_queue.prepend_n([self.blocks[i] for i in ids])
+        backed_only, self.backed_only = self.backed_only, False
+        try:
+            return super().get_new_blocks(num_blocks)
+        finally:
+            self.backed_only = backed_only
+
+    def _take_ids(self, n: int) -> list[int]:
+        """``n`` ids: stash first, then the ledger; fewer when cached blocks must cover the rest."""
+        ledger = self.ledger
+        assert ledger is not None
+        taken = self._stash[:n]
+        del self._stash[:n]
+        need = n - len(taken)
+        if need:
+            got = None if self._strict else ledger.alloc(need)
+            if got is None:
+                # Physical pressure: what is backed, and evict cached blocks for the rest.
+                got = ledger.alloc(min(need, ledger.free_backed_blocks)) or []
+            taken += got
+            need -= len(got)
+            if need > self.free_block_queue.num_free_blocks:
+                ledger.free(taken)
+                raise PoolExhausted(
+                    f"the elastic KV pool cannot provide {n} blocks (admission bound exceeded); "
+                    "this is a bug in vllm-elastic-kv's bound on allocate_slots"
+                )
+        return taken
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """vLLM's ``free_blocks``; the never-cached blocks it queues at the front return to the ledger."""
+        ledger = self.ledger
+        if ledger is None:
+            super().free_blocks(ordered_blocks)
+            return
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        # Exactly the blocks vLLM prepended: ours, now unreferenced, not the null block, not cached.
+        uncached = sum(
+            1
+            for b in blocks
+            if b.ref_cnt == 0
+            and not b.is_null
+            and getattr(b, "pool", self) in (self, None)
+            and (b.block_hash is None or not self.enable_caching)
+        )
+        self._release(self.free_block_queue.popleft_n(uncached) if uncached else [])
+
+    def _release(self, blocks: list[KVCacheBlock]) -> None:
+        if blocks:
+            assert self.ledger is not None
+            self.ledger.free([b.block_id for b in blocks])
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """vLLM's ``evict_blocks``; evicted blocks nobody references leave the queue for the ledger."""
+        super().evict_blocks(block_ids)
+        if self.ledger is None:
+            return
+        freed = []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0 and not block.is_null and block.block_hash is None and _queued(block):
+                self.free_block_queue.remove(block)
+                freed.append(block)
+        self._release(freed)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache`` (which succeeds only when no request holds a block); then every
+        block returns to the ledger and its reserve is trimmed, so the pool holds only the null page."""
+        if self.ledger is None:
+            return super().reset_prefix_cache()
+        self._native_count = True
+        try:
+            ok = super().reset_prefix_cache()
+        finally:
+            self._native_count = False
+        if ok:
+            self._release(self.free_block_queue.popleft_n(self.free_block_queue.num_free_blocks))
+            self.ledger.trim()
+        return ok
+
+    # -- returning memory -------------------------------------------------------------------------------
+    def trim_cached(self, keep_pages: int = 0) -> int:
+        """Evict cached blocks from pages that hold nothing else, least recently used first, keeping
+        ``keep_pages`` such pages; returns the number of pages whose blocks went back to the ledger."""
+        ledger = self.ledger
+        if ledger is None or not self.free_block_queue.num_free_blocks:
+            return 0
+        geo = ledger.geometry
+        by_page: dict[int, list[KVCacheBlock]] = {}
+        for block in self.free_block_queue.get_all_free_blocks():  # least recently used first
+            by_page.setdefault(geo.page_of(block.block_id), []).append(block)
+        whole = [
+            page
+            for page, cached in by_page.items()
+            if len(cached) == sum(1 for b in geo.blocks_of(page) if ledger.is_live(b))
+        ]
+        victims = whole[: max(0, len(whole) - keep_pages)]
+        freed: list[KVCacheBlock] = []
+        for page in victims:
+            for block in by_page[page]:
+                self.free_block_queue.remove(block)
+                self._maybe_evict_cached_block(block)
+                watchers = getattr(self, "_reuse_watchers", None)
+                if watchers and block.block_id in watchers:
+                    self._notify_reuse([block])
+                freed.append(block)
+        self._release(freed)
+        if victims:
+            logger.debug("trimmed %d cached pages (%d blocks)", len(victims), len(freed))
+        return len(victims)
+
+
+def _queued(block: KVCacheBlock) -> bool:
+    """Whether ``block`` is linked into a free queue (real queue entries always have both neighbours)."""
+    return block.prev_free_block is not None and block.next_free_block is not None

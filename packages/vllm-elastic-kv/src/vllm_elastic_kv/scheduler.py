@@ -1,0 +1,117 @@
+"""Scheduler side: the ``--scheduler-cls`` subclasses the front end selects for the elastic backend.
+
+``ElasticScheduler`` / ``ElasticAsyncScheduler`` are vLLM's ``Scheduler`` / ``AsyncScheduler`` (the front end
+picks the one matching ``async_scheduling``). They change three things:
+
+* construction: while vLLM's ``Scheduler.__init__`` runs, the names ``KVCacheManager`` (in vLLM's scheduler
+  module) and ``BlockPool`` (in vLLM's coordinator module) are bound to the elastic subclasses, so vLLM's own
+  construction code builds them with its own arguments (:func:`vllm_elastic_kv.compat.scoped_attribute`;
+  restored when construction ends). Then the pool is connected to the ledger and the workers
+  (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
+* ``schedule``: after vLLM scheduled the step, the step's release epoch starts and the pool does its
+  housekeeping (reserve, ``kvctl`` limit);
+* ``update_from_output``: pages emptied while that step could still read them are released now; when no
+  request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
+  block's page.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_elastic_kv import compat
+from vllm_elastic_kv.block_pool import ElasticBlockPool
+from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
+from vllm_elastic_kv.scheduler_pool import SchedulerPool
+
+__all__ = ["ElasticAsyncScheduler", "ElasticScheduler", "ElasticSchedulerMixin"]
+
+logger = logging.getLogger(__name__)
+
+_EPOCH_ATTR = "_elastic_kv_epoch"
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position: int) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    if position < len(args):
+        return args[position]
+    raise TypeError(f"the scheduler was constructed without {name}")
+
+
+class ElasticSchedulerMixin:
+    """Mixed in before vLLM's scheduler class; see the module docstring."""
+
+    elastic_pool: SchedulerPool
+    kv_cache_manager: Any  # vLLM's
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = _argument(args, kwargs, "vllm_config", 0)
+        kv_cache_config = _argument(args, kwargs, "kv_cache_config", 1)
+        plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
+        support = compat.support_for(compat.installed_version())
+        check_model(kv_cache_config)
+        with (
+            compat.scoped_attribute(
+                compat.target("vllm.v1.core.sched.scheduler", "KVCacheManager"), ElasticKVCacheManager
+            ),
+            compat.scoped_attribute(
+                compat.target("vllm.v1.core.kv_cache_coordinator", "BlockPool"), ElasticBlockPool
+            ),
+        ):
+            super().__init__(*args, **kwargs)
+        pool = self.kv_cache_manager.block_pool
+        if not isinstance(pool, ElasticBlockPool) or not isinstance(
+            self.kv_cache_manager, ElasticKVCacheManager
+        ):
+            raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
+        self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``schedule``; the returned step carries its release epoch."""
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched())
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's ``update_from_output``; then pages the finished step could read may be released."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        idle = not self.has_unfinished_requests()  # type: ignore[attr-defined]
+        self.elastic_pool.step_completed(getattr(scheduler_output, _EPOCH_ATTR, None), idle)
+        return outputs
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's ``reset_prefix_cache``; on success the pool returns its memory at once when idle."""
+        ok = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
+        if ok:
+            self.elastic_pool.settle_idle()
+        return ok
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``finish_requests`` (aborts); if that left the engine idle, the pool settles."""
+        result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        if not self.has_unfinished_requests():  # type: ignore[attr-defined]
+            self.elastic_pool.settle_idle()
+        return result
+
+    def shutdown(self) -> None:
+        """vLLM's ``shutdown``, then the pool's pages and record are returned."""
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            self.elastic_pool.close()
+
+
+class ElasticScheduler(ElasticSchedulerMixin, Scheduler):
+    """vLLM's ``Scheduler`` with the elastic KV cache (``async_scheduling`` off)."""
+
+
+class ElasticAsyncScheduler(ElasticSchedulerMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with the elastic KV cache (``async_scheduling`` on)."""

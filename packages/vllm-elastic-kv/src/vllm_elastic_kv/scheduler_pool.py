@@ -1,0 +1,287 @@
+"""The scheduler's side of the elastic pool: the ledger, its shared record and the coordinator.
+
+:class:`SchedulerPool` is built once the scheduler's block pool exists (the workers have allocated and
+are serving their ranks by then) and wires:
+
+* the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.planned_geometry`);
+* the **coordinator** (``elastic_kv.ranks.Coordinator``) over a ``SocketTransport`` to every worker's rank,
+  at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages;
+* the pool's **record** in the shared registry (``kvctl list`` shows it; ``kvctl limit`` steers it);
+* the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
+  step that may read it is in flight is released only when that step's output is back.
+
+Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
+epoch; :meth:`SchedulerPool.step_completed` when the scheduler processes that step's output releases pages
+emptied up to it; :meth:`SchedulerPool.settle_idle` returns everything but the null block's page when the
+engine goes idle (no step in flight). Everything runs on the scheduler's thread, which owns the ledger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.mapper import MapResult
+from elastic_kv.ranks import Coordinator, SocketTransport
+from elastic_kv.registry import PoolRecord
+
+from vllm_elastic_kv.block_pool import ElasticBlockPool
+from vllm_elastic_kv.compat import VersionSupport
+from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.layout import planned_geometry
+
+__all__ = ["CoordinatorMapper", "SchedulerPool", "StepEpochs", "pool_name"]
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT_S = 120.0
+
+
+def pool_name(vllm_config: Any) -> str:
+    """A readable default pool name: ``vllm-<served model name>`` (registry-safe characters only)."""
+    served = getattr(vllm_config.model_config, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    name = str(served or vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1]
+    return ("vllm-" + re.sub(r"[^A-Za-z0-9_.:-]", "_", name))[:48]
+
+
+def _device_name(vllm_config: Any) -> str:
+    """The registry's device key: ``cpu``, or the first GPU's UUID (stable across CUDA_VISIBLE_DEVICES)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    try:
+        return str(current_platform.get_device_uuid(0))
+    except Exception:
+        return "cuda:0"
+
+
+class CoordinatorMapper:
+    """The coordinator as the ledger's :class:`~elastic_kv.mapper.AsyncPageMapper`.
+
+    Synchronous ``map``/``unmap`` run on the caller's thread (the scheduler's: an allocation that cannot
+    wait); they are counted, because each one makes the step wait for the workers' driver. ``map_async``
+    hands pre-mapping of the reserve to one background thread, so growth ahead of demand never blocks a
+    step: the ledger collects finished jobs with ``collect()`` (never blocking) and may wait for a running
+    one only when an allocation needs its pages. The coordinator serializes calls, so a synchronous map
+    waits for at most one background call in progress.
+    """
+
+    def __init__(self, inner: Coordinator) -> None:
+        self.inner = inner
+        self.calls = 0  # synchronous map/unmap requests (the scheduler thread waited for the driver)
+        self.async_jobs = 0
+        self._outstanding = 0  # queued and not yet collected
+        self._jobs: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[MapResult] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._serve, name="elastic-kv-premap", daemon=True)
+        self._thread.start()
+
+    def map(self, pages: Sequence[int]) -> None:
+        """Back ``pages`` on every rank now (see ``Coordinator.map``)."""
+        self.calls += 1
+        self.inner.map(pages)
+
+    def unmap(self, pages: Sequence[int]) -> None:
+        """Release ``pages`` on every rank now (see ``Coordinator.unmap``)."""
+        self.calls += 1
+        self.inner.unmap(pages)
+
+    def map_async(self, pages: Sequence[int]) -> int:
+        """Queue an all-or-nothing map of ``pages`` on the background thread; returns the job id."""
+        job = next(self._ids)
+        self.async_jobs += 1
+        self._outstanding += 1
+        self._jobs.put((job, list(pages)))
+        return job
+
+    def collect(self, wait: bool = False) -> list[MapResult]:
+        """Jobs finished since the last call, ``(job, pages, None | error text)``; never blocks unless
+        ``wait``, which first waits for every queued job."""
+        out: list[MapResult] = []
+        while self._outstanding:
+            try:
+                out.append(self._done.get(block=wait))
+            except queue.Empty:
+                break
+            self._outstanding -= 1
+        return out
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, pages = item
+            try:
+                self.inner.map(pages)
+                self._done.put((job, pages, None))
+            except Exception as exc:  # reported to the ledger, which undoes the job
+                self._done.put((job, pages, f"{type(exc).__name__}: {exc}"))
+
+    def close(self) -> None:
+        """Stop the background thread after the job in progress."""
+        self._jobs.put(None)
+        self._thread.join(timeout=5.0)
+
+
+class StepEpochs:
+    """When pages emptied by the scheduler may really be released (the async-scheduling barrier).
+
+    The ledger runs with ``defer_release``: a page emptied in epoch ``E`` stays backed until
+    ``release_through(E)``. Epoch ``E`` starts when step ``E`` is dispatched (after vLLM's ``schedule``
+    allocated its blocks), so a page emptied while steps up to ``E`` may be in flight -- a preempted
+    request's blocks during ``schedule``, a finished request's blocks in ``update_from_output`` of step
+    ``E - 1`` while step ``E`` (scheduled before that output was seen, with the request still in it) runs
+    -- carries ``E``, and is released only once step ``E``'s output has been processed, i.e. once the
+    device work that may read it is over. Synchronous scheduling is the special case where no step is in
+    flight when blocks are freed, so release is immediate.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self.dispatched = 0  # epoch of the last step handed to the workers
+        self.completed = 0  # epoch of the last step whose output the scheduler processed
+
+    @property
+    def in_flight(self) -> bool:
+        """True while some dispatched step's output has not been processed."""
+        return self.dispatched != self.completed
+
+    def step_dispatched(self) -> int:
+        """A step was scheduled: start its epoch and return it."""
+        self.dispatched = self._ledger.advance_epoch()
+        return self.dispatched
+
+    def step_completed(self, epoch: int | None) -> None:
+        """The output of the step of ``epoch`` was processed: release what only earlier work could read."""
+        if epoch is not None:
+            self.completed = max(self.completed, epoch)
+        self._ledger.release_through(self.completed)
+
+    def quiesce(self) -> bool:
+        """Release every pending page if no step is in flight; False (nothing done) otherwise."""
+        completed = self.completed
+        if self.dispatched != completed:
+            return False
+        self._ledger.release_through(completed)
+        return True
+
+
+class SchedulerPool:
+    """See the module docstring. ``pool`` is the scheduler's block pool; it is attached to the ledger."""
+
+    def __init__(
+        self,
+        plugin: PluginConfig,
+        support: VersionSupport,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        pool: ElasticBlockPool,
+    ) -> None:
+        from vllm.platforms import current_platform
+
+        assert plugin.instance is not None
+        self.plugin = plugin
+        cfg = dataclasses.replace(plugin.elastic, defer_release=True)
+        self.geometry = planned_geometry(
+            kv_cache_config,
+            vllm_config,
+            support.kv_allocation,
+            cfg.page_size,
+            cfg.max_page_slots,
+            split_kv=current_platform.is_cuda_alike(),
+        )
+        world = vllm_config.parallel_config.world_size
+        self.transport = SocketTransport.for_instance(plugin.instance, world)
+        self.coordinator = Coordinator(self.transport, handshake_timeout=_HANDSHAKE_TIMEOUT_S)
+        if self.coordinator.num_pages != self.geometry.num_pages:
+            raise RuntimeError(
+                f"workers serve {self.coordinator.num_pages} pages, the scheduler planned "
+                f"{self.geometry.num_pages}"
+            )
+        self.record = PoolRecord.create(
+            cfg.pool_name or pool_name(vllm_config),
+            device=_device_name(vllm_config),
+            engine="vllm",
+            model=str(vllm_config.model_config.model),
+            limit_bytes=cfg.limit_bytes,
+            registry_dir=cfg.registry_dir,
+            suffix_if_taken=cfg.pool_name is None,
+        )
+        self.mapper = CoordinatorMapper(self.coordinator)
+        self.ledger = Ledger(self.geometry, self.mapper, cfg, record=self.record, name=self.record.name)
+        pool.attach(self.ledger)
+        self.record.publish(self.ledger.snapshot())  # kvctl shows the pool before its first step
+        self.block_pool = pool
+        self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
+        self.epochs = StepEpochs(self.ledger)
+        self.steps = 0  # steps dispatched
+        self.driver_steps = 0  # of which the scheduler thread waited for a map/unmap since the previous
+        self._calls_seen = 0
+        logger.info(
+            "elastic KV pool %r: %s; %d rank(s); limit %s",
+            self.record.name,
+            self.geometry.describe(),
+            world,
+            cfg.limit_bytes or "none",
+        )
+
+    # -- steps ------------------------------------------------------------------------------------------
+    def step_dispatched(self) -> int:
+        """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping."""
+        if self.over_limit():
+            # Memory must come back: whole pages of the prefix cache first (they hold nothing else);
+            # pages of running requests follow as they finish or are preempted.
+            self.block_pool.trim_cached()
+        epoch = self.epochs.step_dispatched()
+        self.ledger.maintain()
+        self.steps += 1
+        if self.mapper.calls != self._calls_seen:
+            self._calls_seen = self.mapper.calls
+            self.driver_steps += 1
+        return epoch
+
+    def step_completed(self, epoch: int | None, idle: bool) -> None:
+        """The output of the step of ``epoch`` was processed; ``idle``: no request is left."""
+        if idle:
+            self.block_pool.trim_cached(keep_pages=self.idle_cache_pages)
+        self.epochs.step_completed(epoch)
+        if idle:
+            self.settle_idle()
+
+    def settle_idle(self) -> None:
+        """The engine has nothing left to run: once no step is in flight, release every pending page and
+        the reserve (the next request maps what it needs) and publish the pool's state for ``kvctl``.
+
+        vLLM's engine loop blocks while idle and the ledger belongs to the scheduler's thread, so this runs
+        at the transition to idle (last output processed, last request aborted, prefix cache reset, sleep)
+        rather than on a timer; ``kvctl`` changes made while idle apply at the next step."""
+        if not self.epochs.quiesce():
+            return
+        self.ledger.settle()
+        self.ledger.trim()
+        self.record.publish(self.ledger.snapshot())
+
+    def over_limit(self) -> bool:
+        """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
+        limit = self.record.limit_bytes
+        return bool(limit) and self.ledger.charged_bytes > limit
+
+    def close(self) -> None:
+        """Return the pool's record and charge (engine shutdown; idempotent).
+
+        vLLM shuts the executor down before the scheduler, so the workers -- and with them every backed
+        page -- are gone by now: nothing is unmapped from here."""
+        for step in (self.mapper.close, self.transport.close, self.record.close):
+            try:
+                step()
+            except Exception:  # shutdown continues
+                logger.debug("elastic KV shutdown step %s failed", step, exc_info=True)

@@ -1,0 +1,93 @@
+"""Worker side: the ``--worker-cls`` subclasses the front end selects for the elastic backend.
+
+vLLM allocates the KV cache inside ``Worker._maybe_get_memory_pool_context("kv_cache")`` (GPU and CPU
+workers alike; the CPU worker inherits ``initialize_from_config``). The mixin overrides exactly that method
+to hand vLLM the elastic allocation context, and ``initialize_from_config`` to set the pool up around
+vLLM's own code. Nothing else of the worker changes: model loading, compilation, CUDA graphs, attention
+and sampling are vLLM's.
+
+Sleep and wake-up: the KV cache's physical memory is released on the scheduler side (``sleep`` pauses the
+scheduler with ``clear_cache``, which resets the prefix cache: every block returns to the ledger, which
+unmaps their pages and trims its reserve). The worker keeps vLLM's own ``sleep``/``wake_up`` for the rest
+(weights, CUDA graphs) unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from vllm_elastic_kv import compat
+from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.worker_pool import WorkerPool
+
+__all__ = ["ElasticWorkerMixin", "bound_kv_views"]
+
+logger = logging.getLogger(__name__)
+
+
+def bound_kv_views(vllm_config: Any, kv_cache_config: Any) -> list[torch.Tensor]:
+    """The KV cache tensors vLLM bound to the attention layers of ``kv_cache_config`` (what the kernels
+    read and write), from the compilation config's static forward context."""
+    context = vllm_config.compilation_config.static_forward_context
+    views: list[torch.Tensor] = []
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            layer = context.get(name)
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, (list, tuple)):  # older vLLM: one tensor per virtual engine
+                kv = kv[0] if kv else None
+            if isinstance(kv, torch.Tensor):
+                views.append(kv)
+    return views
+
+
+class ElasticWorkerMixin:
+    """Mixed in before vLLM's worker class (see :mod:`vllm_elastic_kv.gpu_worker` / ``cpu_worker``)."""
+
+    _elastic_pool: WorkerPool | None = None
+    # Provided by vLLM's worker:
+    vllm_config: Any
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """vLLM's ``initialize_from_config``, with the KV cache allocated in elastic spaces and served to the
+        scheduler's coordinator afterwards."""
+        plugin = PluginConfig.from_vllm_config(self.vllm_config, os.environ)
+        support = compat.support_for(compat.installed_version())
+        device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
+        self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
+        super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
+        shared = getattr(getattr(self, "model_runner", None), "shared_kv_cache_layers", None) or {}
+        check_model(kv_cache_config, shared_kv_layers=len(shared))
+        self._elastic_pool.finish(bound_kv_views(self.vllm_config, kv_cache_config))
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager[Any]:
+        """vLLM's context for ``tag``; for the KV cache, vLLM's context with the elastic allocation inside."""
+        native = super()._maybe_get_memory_pool_context(tag)  # type: ignore[misc]
+        pool = self._elastic_pool
+        if tag != "kv_cache" or pool is None or pool.allocated:
+            return native
+        return _nested(native, pool)
+
+    def elastic_kv_info(self) -> dict[str, Any]:
+        """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``)."""
+        return self._elastic_pool.info() if self._elastic_pool is not None else {}
+
+    def shutdown(self) -> None:
+        """Stop serving the pool, then vLLM's own shutdown."""
+        if self._elastic_pool is not None:
+            self._elastic_pool.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _nested(native: AbstractContextManager[Any], pool: WorkerPool) -> Iterator[None]:
+    with native, pool.allocation():
+        yield

@@ -1,0 +1,208 @@
+"""One worker process's share of the elastic KV pool: its spaces, its ``SpaceGroup`` and its rank.
+
+Life cycle (driven by :class:`vllm_elastic_kv.worker.ElasticWorkerMixin`):
+
+1. :meth:`WorkerPool.allocation` -- the context vLLM allocates the KV cache in; its ``torch.zeros`` calls
+   are served from fresh ``TensorSpace``\\ s (:mod:`vllm_elastic_kv.allocation`);
+2. :meth:`WorkerPool.finish` -- once vLLM bound the per-layer views to its attention layers: the geometry
+   of those real views (pages as the scheduler planned them), a ``SpaceGroup`` over the spaces, a
+   :class:`~elastic_kv.ranks.Rank` serving it, and a :class:`~elastic_kv.ranks.SocketListener` on
+   ``socket_path(instance, rank)``, where the scheduler's coordinator finds it;
+3. :meth:`WorkerPool.close` -- stop listening, release every page and the spaces.
+
+The scheduler decides every map and unmap; this side only executes them. Newly mapped pages are zeroed
+on GPUs (a fresh driver allocation holds arbitrary bytes, and vLLM's own cache starts as zeros) before the
+map is acknowledged, so the step that first uses them never sees garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from elastic_kv import _vmm
+from elastic_kv.errors import ConfigError
+from elastic_kv.geometry import BlockGeometry
+from elastic_kv.ranks import Rank, SocketListener, socket_path
+
+from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
+from vllm_elastic_kv.compat import VersionSupport
+from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.layout import check_plan, observed_geometry, planned_geometry
+
+__all__ = ["WorkerPool", "make_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_backend(device: torch.device) -> Any:
+    """The data-plane backend for a torch device: host memory for ``cpu``, the CUDA (or ROCm) driver for
+    ``cuda:N``. ConfigError for anything else."""
+    if device.type == "cpu":
+        return _vmm.HostBackend()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if getattr(torch.version, "hip", None):
+            return _vmm.HipBackend(index)
+        return _vmm.CudaBackend(index)
+    raise ConfigError(f"vllm-elastic-kv has no data-plane backend for device {device}")
+
+
+class _ZeroingTarget:
+    """The rank's view of the ``SpaceGroup``: every call is the group's, and ``map`` also zeroes the new
+    pages' blocks (exact block byte ranges, so no neighbour's bytes are touched) and waits for it.
+
+    On a GPU the memsets run on a stream of their own (non-blocking with respect to the engine's streams),
+    so a map never waits for a forward pass in flight, and are complete before the map is acknowledged.
+    """
+
+    def __init__(self, group: Any, geometry: BlockGeometry, flats: Sequence[torch.Tensor]) -> None:
+        self._group = group
+        self._geo = geometry
+        self._flats = flats
+        self._stream = torch.cuda.Stream(flats[0].device) if flats and flats[0].is_cuda else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    def map(self, pages: Sequence[int]) -> None:
+        self._group.map(pages)
+        if self._stream is None:
+            self._zero(pages)
+            return
+        with torch.cuda.stream(self._stream):
+            self._zero(pages)
+        self._stream.synchronize()
+
+    def _zero(self, pages: Sequence[int]) -> None:
+        geo = self._geo
+        for page in pages:
+            blocks = geo.blocks_of(page)
+            for fam in geo.families:
+                flat = self._flats[fam.space]
+                if fam.stride == fam.nbytes:  # dense: the page's blocks are one run
+                    lo = fam.base + blocks.start * fam.stride
+                    flat[lo : fam.base + blocks.stop * fam.stride].zero_()
+                else:
+                    for b in blocks:
+                        lo = fam.base + b * fam.stride
+                        flat[lo : lo + fam.nbytes].zero_()
+
+
+class WorkerPool:
+    """See the module docstring. ``rank`` is the worker's global rank (TP rank; PP is refused)."""
+
+    def __init__(
+        self,
+        plugin: PluginConfig,
+        support: VersionSupport,
+        kv_cache_config: Any,
+        vllm_config: Any,
+        device: torch.device,
+        rank: int,
+        *,
+        zero_on_map: bool | None = None,
+    ) -> None:
+        if plugin.instance is None:
+            raise ConfigError("vllm-elastic-kv: the engine was not activated by the front end (no instance)")
+        self.plugin = plugin
+        self.support = support
+        self.kv_cache_config = kv_cache_config
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+        self.rank_index = rank
+        self.backend = make_backend(self.device)
+        self._zero_on_map = self.backend.name != "host" if zero_on_map is None else zero_on_map
+        self.planned = planned_geometry(
+            kv_cache_config,
+            vllm_config,
+            support.kv_allocation,
+            plugin.elastic.page_size,
+            plugin.elastic.max_page_slots,
+            split_kv=self.device.type == "cuda",
+        )
+        self._allocation: KVAllocation | None = None
+        self.geometry: BlockGeometry | None = None
+        self.handle_pool: Any = None
+        self.group: Any = None
+        self.rank: Rank | None = None
+        self.listener: SocketListener | None = None
+
+    # -- 1. allocation ------------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        """True once the allocation context was handed out (vLLM allocates the KV cache once)."""
+        return self._allocation is not None
+
+    def allocation(self) -> KVAllocation:
+        """The context for vLLM's KV cache allocation (usable once)."""
+        if self._allocation is not None:
+            raise RuntimeError("the KV cache allocation context was already used")
+        page = self.plugin.elastic.page_size
+        self._allocation = KVAllocation(
+            planned_allocations(self.kv_cache_config, self.support.kv_allocation),
+            self.device,
+            lambda nbytes: _vmm.TensorSpace(self.backend, -(-nbytes // page) * page, page),
+        )
+        return self._allocation
+
+    # -- 2. serving -----------------------------------------------------------------------------------
+    def finish(self, views: Sequence[torch.Tensor]) -> None:
+        """Build the group and start serving the scheduler, from the per-layer ``views`` vLLM bound."""
+        alloc = self._allocation
+        if alloc is None or not alloc.spaces:
+            raise ConfigError("vllm-elastic-kv: vLLM bound its KV cache without allocating it in our context")
+        spaces = alloc.spaces
+        observed = observed_geometry(
+            [v for v in views if v.numel()],
+            [s.base for s in spaces],
+            [s.size for s in spaces],
+            self.kv_cache_config.num_blocks,
+            self.plugin.elastic.page_size,
+            self.planned.blocks_per_page,
+            self.support.kv_allocation,
+        )
+        check_plan(self.planned, observed)
+        self.geometry = observed
+        self.handle_pool = _vmm.HandlePool(
+            self.backend, observed.page_bytes * max(1, self.plugin.elastic.reserve_min_pages)
+        )
+        self.group = _vmm.SpaceGroup(spaces, observed.extent_tuples(), observed.num_pages, self.handle_pool)
+        target: Any = self.group
+        if self._zero_on_map:
+            target = _ZeroingTarget(self.group, observed, [torch.from_dlpack(s) for s in spaces])
+        self.rank = Rank(self.rank_index)
+        self.rank.add_pool(target, backend=self.backend, handle_pool=self.handle_pool)
+        assert self.plugin.instance is not None
+        self.listener = SocketListener(self.rank, socket_path(self.plugin.instance, self.rank_index))
+        logger.info(
+            "elastic KV rank %d serving %s on %s", self.rank_index, observed.describe(), self.backend.name
+        )
+
+    def info(self) -> dict[str, Any]:
+        """This rank's physical state, for diagnostics (``collective_rpc("elastic_kv_info")``)."""
+        group = self.group
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank_index,
+            "backend": self.backend.name,
+            "mapped_pages": group.num_mapped if group is not None else 0,
+            "mapped_bytes": group.mapped_bytes if group is not None else 0,
+            "live_handles": self.backend.live_handles,
+            "live_bytes": self.backend.live_bytes,
+            "geometry": self.geometry.describe() if self.geometry is not None else None,
+        }
+
+    # -- 3. teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop serving and release the group (idempotent). vLLM still holds tensors over the spaces;
+        they keep the reservations alive, now aliasing the zero page."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None

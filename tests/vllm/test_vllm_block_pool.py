@@ -1,0 +1,292 @@
+"""The scheduler side without an engine: vLLM's own KV cache manager over the elastic block pool, the real
+ledger and the real data plane (host backend, one SpaceGroup, LocalMapper).
+
+vLLM's ``KVCacheManager`` is constructed exactly as the scheduler constructs it (the elastic classes bound
+in for the duration), with real ``Request`` objects and prefix-cache hashing, so every path the engine
+takes through ``allocate_slots`` / ``free`` / ``get_computed_blocks`` runs here in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from elastic_kv import _vmm
+from elastic_kv.config import ElasticConfig
+from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.mapper import LocalMapper
+from vllm_elastic_kv import compat
+from vllm_elastic_kv.block_pool import ElasticBlockPool
+from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager, admission_bound
+from vllm_elastic_kv.layout import planned_geometry
+from vllm_elastic_kv.scheduler_pool import StepEpochs
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16  # tokens per block
+NUM_BLOCKS = 64
+LAYER_BLOCK_BYTES = BLOCK * 2 * 64 * 2 * 2  # tokens x kv heads x head size x (K, V) x fp16 = 8 KiB
+
+
+@dataclasses.dataclass
+class Stack:
+    manager: ElasticKVCacheManager
+    pool: ElasticBlockPool
+    ledger: Ledger
+    group: Any
+    epochs: StepEpochs
+    ids: Iterator[int]
+
+    def request(self, tokens: list[int]) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        return Request(
+            f"r{next(self.ids)}",
+            tokens,
+            SamplingParams(max_tokens=16),
+            None,
+            block_hasher=self.hasher,
+        )
+
+    hasher: Any = None
+    pin: Any = None
+
+    def backed(self, blocks: Any) -> bool:
+        geo = self.ledger.geometry
+        return all(self.group.is_mapped(geo.page_of(b.block_id)) for b in blocks)
+
+
+def _kv_cache_config() -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    assert spec.page_size_bytes == LAYER_BLOCK_BYTES
+    layers = ["l0", "l1"]
+    tensor = KVCacheTensor(
+        size=2 * NUM_BLOCKS * LAYER_BLOCK_BYTES,
+        layers=layers,
+        layer_stride=NUM_BLOCKS * LAYER_BLOCK_BYTES,
+        block_stride=LAYER_BLOCK_BYTES,
+    )
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        kv_cache_layout="LBHNC",
+        hash_block_size=BLOCK,
+    )
+
+
+def _stack(
+    *,
+    caching: bool = True,
+    limit_pages: int = 0,
+    defer_release: bool = False,
+    reserve: tuple[int, int] = (0, 0),
+    blocks_per_page: int = 2,
+) -> Stack:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    cfg = _kv_cache_config()
+    page = blocks_per_page * LAYER_BLOCK_BYTES
+    geo = planned_geometry(cfg, None, "one_buffer", page, max_page_slots=8)
+    assert geo.blocks_per_page == blocks_per_page and geo.num_pages == -(-NUM_BLOCKS // blocks_per_page)
+    backend = _vmm.HostBackend()
+    space = _vmm.TensorSpace(backend, geo.space_sizes[0], page)
+    group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 0))
+    elastic = ElasticConfig(
+        page_size=page,
+        reserve_min_pages=reserve[0],
+        reserve_max_pages=reserve[1],
+        premap=False,
+        defer_release=defer_release,
+        limit_bytes=limit_pages * geo.page_bytes,
+    )
+    ledger = Ledger(geo, LocalMapper(group), elastic, null_block=0)
+    with compat.scoped_attribute(
+        compat.target("vllm.v1.core.kv_cache_coordinator", "BlockPool"), ElasticBlockPool
+    ):
+        manager = ElasticKVCacheManager(
+            cfg, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=caching
+        )
+    pool = manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    pool.attach(ledger)
+    init_none_hash(sha256)
+    stack = Stack(manager, pool, ledger, group, StepEpochs(ledger), itertools.count())
+    stack.hasher = get_request_block_hasher(BLOCK, sha256)
+    # Block 1 shares the null block's page, which is never released: a long-running request holds it, so
+    # that every page the tests look at holds only the blocks they allocate.
+    stack.pin = stack.request([7, 7, 7])
+    assert _allocate(stack, stack.pin) is not None
+    stack.epochs.quiesce()  # nothing in flight: pages admission backed and gave back are released
+    assert stack.group.num_mapped == 1
+    return stack
+
+
+def _allocate(stack: Stack, req: Any, computed: Any = None, num_computed: int = 0) -> Any:
+    new_tokens = req.num_tokens - num_computed
+    return stack.manager.allocate_slots(req, new_tokens, num_computed, computed)
+
+
+def _finish(stack: Stack, req: Any) -> None:
+    stack.manager.free(req)
+
+
+def _blocks(stack: Stack, req: Any) -> list[Any]:
+    return list(stack.manager.coordinator.single_type_managers[0].req_to_blocks[req.request_id])
+
+
+def test_construction_keeps_vllms_classes_and_restores_the_names() -> None:
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    from vllm.v1.core.block_pool import BlockPool
+
+    stack = _stack()
+    assert coordinator.BlockPool is BlockPool
+    assert isinstance(stack.pool, BlockPool) and stack.pool.null_block.block_id == 0
+    assert stack.pool.num_cached == 0 and stack.ledger.used_blocks == 1  # the pinned block
+    assert stack.group.is_mapped(0)  # the null block's page is always backed
+
+
+def test_allocation_backs_pages_page_affinely() -> None:
+    stack = _stack()
+    req = stack.request(list(range(100, 100 + 3 * BLOCK + 5)))  # 4 blocks
+    assert _allocate(stack, req) is not None
+    got = _blocks(stack, req)
+    assert len(got) == 4 and stack.backed(got)
+    assert stack.group.num_mapped == 3  # null page + 4 blocks on 2 whole pages
+    assert {b.block_id // 2 for b in got} == {b.block_id // 2 for b in got[:2]} | {got[3].block_id // 2}
+
+
+def test_exhaustion_is_a_miss_with_nothing_changed() -> None:
+    stack = _stack(limit_pages=3)  # the null page + 2 pages
+    first = stack.request(list(range(200, 200 + 4 * BLOCK)))
+    assert _allocate(stack, first) is not None
+    state = (stack.ledger.used_blocks, stack.group.num_mapped, stack.pool.num_cached)
+    big = stack.request(list(range(500, 500 + 6 * BLOCK)))
+    assert _allocate(stack, big) is None  # vLLM's own check said no
+    assert (stack.ledger.used_blocks, stack.group.num_mapped, stack.pool.num_cached) == state
+    assert big.request_id not in stack.manager.coordinator.single_type_managers[0].req_to_blocks
+    stack.pool.free_blocks([])  # no-op
+    _finish(stack, first)
+    assert _allocate(stack, big) is None  # 6 blocks > 4 under the limit, even with first's cached blocks
+    small = stack.request(list(range(900, 900 + 2 * BLOCK)))
+    assert _allocate(stack, small) is not None
+
+
+def test_cached_blocks_count_as_free_and_are_reused_in_place_under_a_limit() -> None:
+    stack = _stack(limit_pages=3)
+    a = stack.request(list(range(300, 300 + 4 * BLOCK)))
+    assert _allocate(stack, a) is not None
+    _finish(stack, a)
+    assert stack.pool.num_cached == 4  # full blocks keep their prefix-cache entries
+    assert stack.ledger.used_blocks == 1 + 4  # ... and stay backed (1: the pinned block)
+    assert stack.pool.get_num_free_blocks() >= 4
+    mapped = stack.group.num_mapped
+    b = stack.request(list(range(700, 700 + 4 * BLOCK)))  # no hit; the limit allows no new page
+    assert _allocate(stack, b) is not None
+    assert stack.group.num_mapped == mapped  # LRU cached blocks were evicted in place
+    assert stack.pool.num_cached == 0
+    assert stack.backed(_blocks(stack, b))
+
+
+def test_prefix_hit_is_served_from_cached_blocks() -> None:
+    stack = _stack()
+    tokens = list(range(400, 400 + 3 * BLOCK))
+    a = stack.request(tokens)
+    _allocate(stack, a)
+    _finish(stack, a)
+    b = stack.request([*tokens, 1, 2, 3])
+    computed, num_computed = stack.manager.get_computed_blocks(b)[:2]
+    assert num_computed == 3 * BLOCK
+    assert _allocate(stack, b, computed, num_computed) is not None
+    assert stack.pool.num_cached == 0  # the hits were touched out of the queue
+
+
+def test_trim_returns_only_pages_that_hold_nothing_else() -> None:
+    stack = _stack()
+    a = stack.request(list(range(1000, 1000 + 2 * BLOCK)))  # 2 blocks: one whole page
+    _allocate(stack, a)
+    b = stack.request(list(range(2000, 2000 + 3 * BLOCK)))  # 3 blocks: a page and half of another
+    _allocate(stack, b)
+    c = stack.request(list(range(3000, 3000 + BLOCK - 4)))  # 1 block, on b's half page (best fit)
+    _allocate(stack, c)
+    assert _blocks(stack, c)[0].block_id // 2 == _blocks(stack, b)[2].block_id // 2
+    _finish(stack, a)
+    _finish(stack, b)
+    mapped = stack.group.num_mapped
+    assert stack.pool.trim_cached() == 2  # a's page and b's whole page; not the page c shares
+    assert stack.group.num_mapped == mapped - 2
+    assert stack.pool.num_cached == 1
+
+
+def test_reset_prefix_cache_waits_for_running_requests_then_returns_everything() -> None:
+    stack = _stack()
+    a = stack.request(list(range(10, 10 + 4 * BLOCK)))
+    _allocate(stack, a)
+    assert stack.manager.reset_prefix_cache() is False
+    _finish(stack, a)
+    assert stack.pool.num_cached == 4
+    assert stack.manager.reset_prefix_cache() is False  # the pinned request still holds a block
+    _finish(stack, stack.pin)
+    assert stack.manager.reset_prefix_cache() is True
+    assert stack.ledger.used_blocks == 0 and stack.pool.num_cached == 0
+    assert stack.group.num_mapped == 1  # the null page only
+
+
+def test_without_prefix_caching_blocks_go_straight_back() -> None:
+    stack = _stack(caching=False)
+    a = stack.request(list(range(10, 10 + 4 * BLOCK)))
+    _allocate(stack, a)
+    _finish(stack, a)
+    assert stack.pool.num_cached == 0 and stack.ledger.used_blocks == 1
+    assert stack.group.num_mapped == 1
+
+
+def test_usage_counts_referenced_blocks_of_the_virtual_capacity() -> None:
+    stack = _stack()
+    a = stack.request(list(range(10, 10 + 4 * BLOCK)))
+    _allocate(stack, a)
+    assert stack.pool.get_usage() == pytest.approx(5 / (NUM_BLOCKS - 1))
+    _finish(stack, a)
+    assert stack.pool.get_usage() == pytest.approx(1 / (NUM_BLOCKS - 1))
+
+
+def test_async_scheduling_barrier() -> None:
+    """A page freed while a dispatched step may read it is unmapped only after that step's output."""
+    stack = _stack(caching=False, defer_release=True)
+    req = stack.request(list(range(10, 10 + 2 * BLOCK)))  # one whole page
+    _allocate(stack, req)
+    page = stack.ledger.geometry.page_of(_blocks(stack, req)[0].block_id)
+    e1 = stack.epochs.step_dispatched()  # step 1 reads the request
+    e2 = stack.epochs.step_dispatched()  # async: step 2 scheduled before step 1's output, still with it
+    _finish(stack, req)  # step 1's output: the request finished
+    stack.epochs.step_completed(e1)
+    assert stack.group.is_mapped(page), "released while step 2 may still read it"
+    assert not stack.epochs.quiesce()  # step 2 is in flight
+    stack.epochs.step_completed(e2)
+    assert not stack.group.is_mapped(page)
+
+
+def test_sync_scheduling_releases_at_once() -> None:
+    stack = _stack(caching=False, defer_release=True)
+    req = stack.request(list(range(10, 10 + 2 * BLOCK)))
+    _allocate(stack, req)
+    page = stack.ledger.geometry.page_of(_blocks(stack, req)[0].block_id)
+    e1 = stack.epochs.step_dispatched()
+    _finish(stack, req)  # in update_from_output of step 1: nothing else is in flight
+    assert stack.group.is_mapped(page)
+    stack.epochs.step_completed(e1)
+    assert not stack.group.is_mapped(page) and stack.group.num_mapped == 1
+
+
+def test_admission_bound_reads_vllms_arguments() -> None:
+    assert admission_bound([16], (32,), {}) == 2 + 2
+    assert admission_bound([16], (1,), {"num_lookahead_tokens": 15}) == 1 + 2
+    assert admission_bound([16, 32], (), {"num_new_tokens": 33, "num_external_computed_tokens": 0}) == 5 + 4

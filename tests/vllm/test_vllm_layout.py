@@ -1,0 +1,183 @@
+"""Worker-side pieces without an engine: the allocation context, the geometry of vLLM's own views, the
+zeroing of newly mapped pages, and the model-feature refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from elastic_kv import _vmm
+from elastic_kv.errors import ConfigError
+from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
+from vllm_elastic_kv.features import check_model, unsupported_model_features
+from vllm_elastic_kv.layout import check_plan, observed_geometry, planned_geometry, view_families
+from vllm_elastic_kv.worker_pool import _ZeroingTarget
+
+pytestmark = pytest.mark.vllm
+
+KIB = 1024
+
+
+def _config(layout: str, num_blocks: int = 40, specs: list[Any] | None = None) -> Any:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    specs = specs or [FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)]
+    groups = [KVCacheGroupSpec([f"g{g}.l{i}" for i in range(3)], s) for g, s in enumerate(specs)]
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = layout
+    per_block = sum(3 * s.page_size_bytes for s in specs)
+    cfg = get_kv_cache_config_from_groups(vllm_config, groups, num_blocks * per_block // len(specs) + 100)
+    cfg.kv_cache_layout = layout
+    return cfg, vllm_config
+
+
+def _allocate_in_spaces(cfg: Any, page: int) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """vLLM's own allocate_kv_cache, inside the elastic allocation context, over host spaces."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    backend = _vmm.HostBackend()
+    ctx = KVAllocation(
+        planned_allocations(cfg, "one_buffer"),
+        torch.device("cpu"),
+        lambda n: _vmm.TensorSpace(backend, -(-n // page) * page, page),
+    )
+    with ctx:
+        caches = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout[cfg.kv_cache_layout])
+    assert len(ctx.spaces) == 1
+    return caches, ctx.spaces
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC", "BLHNC", "BHLNC"])
+def test_plan_matches_the_views_vllm_builds(layout: str) -> None:
+    page = 16 * KIB
+    cfg, vllm_config = _config(layout)
+    caches, spaces = _allocate_in_spaces(cfg, page)
+    planned = planned_geometry(cfg, vllm_config, "one_buffer", page, max_page_slots=8)
+    space = spaces[0]
+    observed = observed_geometry(
+        list(caches.values()), [space.base], [space.size], cfg.num_blocks, page, planned.blocks_per_page
+    )
+    check_plan(planned, observed)
+    assert planned.extent_tuples() == observed.extent_tuples()
+    # Every block's bytes, as vLLM's views address them, lie inside its page.
+    flat = torch.from_dlpack(space)
+    group = _vmm.SpaceGroup(
+        [space], observed.extent_tuples(), observed.num_pages, _vmm.HandlePool(space.backend, 0)
+    )
+    group.map(list(range(observed.num_pages)))
+    for block in (1, cfg.num_blocks // 2, cfg.num_blocks - 1):
+        flat.zero_()
+        for view in caches.values():
+            view[block].view(torch.uint8).fill_(1)
+        painted = flat.nonzero().flatten()
+        inside = torch.zeros_like(flat, dtype=torch.bool)
+        for _, lo, hi in observed.page_ranges(observed.page_of(block)):
+            inside[lo:hi] = True
+        assert bool(inside[painted].all())
+    group.close()
+
+
+def test_allocation_context_passes_other_calls_and_checks_the_plan() -> None:
+    backend = _vmm.HostBackend()
+    ctx = KVAllocation([8192], torch.device("cpu"), lambda n: _vmm.TensorSpace(backend, n, 4096))
+    with ctx:
+        other = torch.zeros(8192, dtype=torch.float32)  # not int8: vLLM's, not ours
+        small = torch.zeros(100, dtype=torch.int8)  # not a planned size
+        kv = torch.zeros(8192, dtype=torch.int8, device="cpu")
+    assert kv.data_ptr() == ctx.spaces[0].base and kv.dtype is torch.int8 and not bool(kv.any())
+    assert other.data_ptr() != kv.data_ptr() and small.numel() == 100
+    missing = KVAllocation([4096, 8192], torch.device("cpu"), lambda n: _vmm.TensorSpace(backend, n, 4096))
+    with pytest.raises(ConfigError, match=r"allocations of \[4096\] bytes never came"), missing:
+        torch.zeros(8192, dtype=torch.int8, device="cpu")
+
+
+def test_per_tensor_plan_is_flash_attentions_kv_halves() -> None:
+    """vLLM 0.26-0.28: one buffer per layer, viewed by FlashAttention as (2, num_blocks, ...)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    nb, layer = 32, 32 * spec.page_size_bytes
+
+    class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
+        def __init__(self, name: str) -> None:
+            self.size, self.shared_by, self.offset, self.block_stride = layer, [name], 0, 0
+
+    cfg = KVCacheConfig(nb, [Tensor026("a"), Tensor026("b")], [KVCacheGroupSpec(["a", "b"], spec)])  # type: ignore[list-item]
+    page = 16 * KIB
+    planned = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8, split_kv=True)
+    backend = _vmm.HostBackend()
+    spaces = [_vmm.TensorSpace(backend, layer, page) for _ in range(2)]
+    views = [torch.from_dlpack(s).view(torch.float16)[: layer // 2].view(2, nb, 16, 2, 64) for s in spaces]
+    observed = observed_geometry(
+        views,
+        [s.base for s in spaces],
+        [s.size for s in spaces],
+        nb,
+        page,
+        planned.blocks_per_page,
+        "per_tensor",
+    )
+    check_plan(planned, observed)
+    # A backend that keeps K and V of a block together maps different bytes per page (the worker maps
+    # what its views address), at the same cost: accepted.
+    unsplit = [torch.from_dlpack(s).view(torch.float16)[: layer // 2].view(nb, 2, 16, 2, 64) for s in spaces]
+    bases, sizes = [s.base for s in spaces], [s.size for s in spaces]
+    other = observed_geometry(unsplit, bases, sizes, nb, page, planned.blocks_per_page, "per_tensor")
+    assert other.extent_tuples() != planned.extent_tuples()
+    check_plan(planned, other)
+    # Views that address a different amount per page would make the scheduler charge wrongly: refused.
+    k_only = [v[0] for v in views]
+    with pytest.raises(ConfigError, match="differently from the plan"):
+        check_plan(
+            planned, observed_geometry(k_only, bases, sizes, nb, page, planned.blocks_per_page, "per_tensor")
+        )
+
+
+def test_block_axis_must_be_unambiguous() -> None:
+    t = torch.zeros(2, 2, 16)
+    with pytest.raises(ConfigError, match="block axis"):
+        view_families(t, 0, t.data_ptr(), 2, "per_tensor")
+
+
+def test_zeroing_target_zeroes_exactly_the_new_pages_blocks() -> None:
+    page = 4 * KIB
+    backend = _vmm.HostBackend()
+    space = _vmm.TensorSpace(backend, 64 * KIB, page)
+    from elastic_kv.geometry import BlockFamily, BlockGeometry
+
+    # Two interleaved families (stride 2 KiB, 1 KiB each): block b's bytes are not one run.
+    geo = BlockGeometry(
+        [64 * KIB], [BlockFamily(0, 0, 2 * KIB, KIB), BlockFamily(0, KIB, 2 * KIB, KIB)], 32, page
+    )
+    group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 1 << 20))
+    flat = torch.from_dlpack(space)
+    target = _ZeroingTarget(group, geo, [flat])
+    target.map([0, 1])
+    flat[: 2 * geo.blocks_per_page * 2 * KIB].fill_(7)
+    target.unmap([1])  # its handle goes to the pool with 7s in it
+    target.map([1])  # reused handle: zeroed
+    first = slice(0, geo.blocks_per_page * 2 * KIB)
+    second = slice(first.stop, 2 * first.stop)
+    assert bool((flat[first] == 7).all()) and not bool(flat[second].any())
+    assert target.num_mapped == 2  # everything else is the group's
+    group.close()
+
+
+def test_model_features_are_named() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    swa = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=64
+    )
+    plain, _ = _config("LBHNC", specs=[full])
+    hybrid, _ = _config("LBHNC", specs=[full, swa])
+    assert unsupported_model_features(plain) == []
+    reasons = "; ".join(unsupported_model_features(hybrid))
+    assert "several KV cache groups" in reasons and "sliding-window attention" in reasons
+    with pytest.raises(ConfigError, match="cross-layer KV cache sharing"):
+        check_model(plain, shared_kv_layers=2)

