@@ -95,8 +95,38 @@ def test_allocation_context_passes_other_calls_and_checks_the_plan() -> None:
         torch.zeros(8192, dtype=torch.int8, device="cpu")
 
 
-def test_per_tensor_plan_is_flash_attentions_kv_halves() -> None:
-    """vLLM 0.26-0.28: one buffer per layer, viewed by FlashAttention as (2, num_blocks, ...)."""
+def test_per_tensor_plan_is_0_26_packed_kv() -> None:
+    """vLLM 0.26-0.28 on NVIDIA: every backend views a layer's buffer as (num_blocks, H, N, 2*D).
+
+    Seen on the H200 with vLLM 0.26's FlashAttention: a plan of K and V halves was refused at start-up by
+    :func:`check_plan` (different bytes per page); the default plan keeps a block's K and V together.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    nb, layer = 48, 48 * spec.page_size_bytes
+
+    class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
+        def __init__(self, name: str) -> None:
+            self.size, self.shared_by, self.offset, self.block_stride = layer, [name], 0, 0
+
+    cfg = KVCacheConfig(nb, [Tensor026("a"), Tensor026("b")], [KVCacheGroupSpec(["a", "b"], spec)])  # type: ignore[list-item]
+    page = 16 * KIB
+    planned = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8)
+    backend = _vmm.HostBackend()
+    spaces = [_vmm.TensorSpace(backend, layer, page) for _ in range(2)]
+    packed = [torch.from_dlpack(s).view(torch.float16)[: layer // 2].view(nb, 2, 16, 2 * 64) for s in spaces]
+    bases, sizes = [s.base for s in spaces], [s.size for s in spaces]
+    observed = observed_geometry(packed, bases, sizes, nb, page, planned.blocks_per_page, "per_tensor")
+    check_plan(planned, observed)
+    assert observed.extent_tuples() == planned.extent_tuples()
+    halves = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8, split_kv=True)
+    with pytest.raises(ConfigError, match="disagree on pages|differently from the plan"):
+        check_plan(halves, observed)
+
+
+def test_per_tensor_plan_kv_halves() -> None:
+    """vLLM 0.26-0.28: one buffer per layer; ROCm attention views it as (2, num_blocks, ...)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)

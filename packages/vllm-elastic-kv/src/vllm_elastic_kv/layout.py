@@ -6,8 +6,10 @@ Two geometries of one pool must agree on how blocks group into pages (``blocks_p
   has no tensors). vLLM >= 0.29 describes its one backing buffer exactly (``offset``, ``layer_stride``,
   ``block_stride``, the resolved ``KVCacheLayout``), and vLLM's own ``compute_layout_strides`` gives the
   per-layer view strides, so this is exact. vLLM 0.26-0.28 allocates one buffer per ``KVCacheTensor`` and
-  the attention backend decides how a layer's buffer is viewed; the plan assumes FlashAttention's
-  ``(2, num_blocks, ...)`` (K and V halves) on CUDA -- the worker checks it.
+  the attention backend decides how a layer's buffer is viewed. Every NVIDIA backend of 0.26 packs K and V
+  into the last dimension of one block (``(num_blocks, H, N, 2*D)``, ``flash_attn.py:141`` in 0.26), so the
+  plan keeps a block's bytes together; ROCm's ``rocm_attn`` views ``(2, num_blocks, ...)`` (K and V halves,
+  ``split_kv``). The worker checks the plan against the real views either way.
 * :func:`observed_geometry` -- the worker's, from the per-layer tensors vLLM actually bound to its attention
   layers (what the kernels read and write), with ``blocks_per_page`` taken from the plan. Built from the
   real views, it is right whatever the plan assumed; :func:`check_plan` then refuses at start-up a plan
@@ -92,7 +94,7 @@ def planned_geometry(
     kv_allocation: str,
     page_size: int,
     max_page_slots: int,
-    split_kv: bool = True,
+    split_kv: bool = False,
 ) -> BlockGeometry:
     """The pool's geometry from the ``KVCacheConfig`` (see the module docstring).
 

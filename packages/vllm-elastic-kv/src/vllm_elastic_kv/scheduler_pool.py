@@ -197,7 +197,7 @@ class SchedulerPool:
             support.kv_allocation,
             cfg.page_size,
             cfg.max_page_slots,
-            split_kv=current_platform.is_cuda_alike(),
+            split_kv=current_platform.is_rocm(),
         )
         world = vllm_config.parallel_config.world_size
         self.transport = SocketTransport.for_instance(plugin.instance, world)

@@ -122,7 +122,7 @@ class WorkerPool:
             support.kv_allocation,
             plugin.elastic.page_size,
             plugin.elastic.max_page_slots,
-            split_kv=self.device.type == "cuda",
+            split_kv=self.device.type == "cuda" and torch.version.hip is not None,
         )
         self._allocation: KVAllocation | None = None
         self.geometry: BlockGeometry | None = None
