@@ -356,35 +356,53 @@ void TensorSpace::tile_zero(const std::vector<UnitSpan>& units) {
   }
 }
 
-void TensorSpace::back(const std::vector<UnitSpan>& units, const std::vector<HandleId>& handles) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_usable();
-  if (units.size() != handles.size()) throw InvalidArgument("back: one handle per unit");
+void TensorSpace::check_units(const std::vector<UnitSpan>& units, Kind expected, const char* op) const {
+  const char* what = expected == Kind::kZero ? "an unbacked" : "a backed";
   for (std::size_t i = 0; i < units.size(); ++i) {
     const UnitSpan& u = units[i];
     if (static_cast<std::size_t>(u.start) + u.nslots > num_slots_ || head_[u.start] != u.start ||
-        maps_[u.start].nslots != u.nslots || maps_[u.start].kind != Kind::kZero) {
-      throw InvalidArgument("back: unit at slot " + std::to_string(u.start) + " is not an unbacked unit");
+        maps_[u.start].nslots != u.nslots || maps_[u.start].kind != expected) {
+      throw InvalidArgument(std::string(op) + ": unit at slot " + std::to_string(u.start) + " is not " + what +
+                            " unit");
     }
-    if (i > 0 && units[i - 1].start >= u.start) throw InvalidArgument("back: units must be sorted");
+    if (i > 0 && units[i - 1].start >= u.start) throw InvalidArgument(std::string(op) + ": units must be sorted");
   }
+}
+
+void TensorSpace::swap_units(const std::vector<UnitSpan>& units, const std::vector<HandleId>* handles) {
+  // handles != nullptr: zero -> handle (back); nullptr: handle -> zero (unback). Each run of adjacent units is
+  // unmapped in one call where the backend allows it, then every unit of the run is refilled; any failure
+  // restores the run's remaining holes and undoes the units already swapped, so the call is all or nothing.
+  const bool backing = handles != nullptr;
   std::vector<std::size_t> done;
   done.reserve(units.size());
+  const auto undo = [&]() noexcept { backing ? undo_backed(units, done) : undo_unbacked(units, done); };
   for (const auto& [first, last] : runs(units)) {
     try {
       unmap_run(units, first, last);
     } catch (...) {
       const auto original = std::current_exception();
-      undo_backed(units, done);
+      undo();
       rethrow_after_rollback(original);
     }
     for (std::size_t i = first; i <= last; ++i) {
       try {
-        hole_to_handle(units[i].start, handles[i]);
+        if (backing) {
+          hole_to_handle(units[i].start, (*handles)[i]);
+        } else {
+          hole_to_zero(units[i].start);
+        }
       } catch (...) {
         const auto original = std::current_exception();
-        for (std::size_t j = i; j <= last; ++j) restore_zero(units[j].start);
-        undo_backed(units, done);
+        for (std::size_t j = i; j <= last; ++j) {
+          const std::uint32_t start = units[j].start;
+          if (backing) {
+            restore_zero(start);
+          } else {
+            restore_handle(start, maps_[start].handle);
+          }
+        }
+        undo();
         rethrow_after_rollback(original);
       }
       done.push_back(i);
@@ -392,39 +410,19 @@ void TensorSpace::back(const std::vector<UnitSpan>& units, const std::vector<Han
   }
 }
 
+void TensorSpace::back(const std::vector<UnitSpan>& units, const std::vector<HandleId>& handles) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable();
+  if (units.size() != handles.size()) throw InvalidArgument("back: one handle per unit");
+  check_units(units, Kind::kZero, "back");
+  swap_units(units, &handles);
+}
+
 void TensorSpace::unback(const std::vector<UnitSpan>& units) {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable();
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    const UnitSpan& u = units[i];
-    if (static_cast<std::size_t>(u.start) + u.nslots > num_slots_ || head_[u.start] != u.start ||
-        maps_[u.start].nslots != u.nslots || maps_[u.start].kind != Kind::kHandle) {
-      throw InvalidArgument("unback: unit at slot " + std::to_string(u.start) + " is not a backed unit");
-    }
-    if (i > 0 && units[i - 1].start >= u.start) throw InvalidArgument("unback: units must be sorted");
-  }
-  std::vector<std::size_t> done;
-  done.reserve(units.size());
-  for (const auto& [first, last] : runs(units)) {
-    try {
-      unmap_run(units, first, last);
-    } catch (...) {
-      const auto original = std::current_exception();
-      undo_unbacked(units, done);
-      rethrow_after_rollback(original);
-    }
-    for (std::size_t i = first; i <= last; ++i) {
-      try {
-        hole_to_zero(units[i].start);
-      } catch (...) {
-        const auto original = std::current_exception();
-        for (std::size_t j = i; j <= last; ++j) restore_handle(units[j].start, maps_[units[j].start].handle);
-        undo_unbacked(units, done);
-        rethrow_after_rollback(original);
-      }
-      done.push_back(i);
-    }
-  }
+  check_units(units, Kind::kHandle, "unback");
+  swap_units(units, nullptr);
 }
 
 bool TensorSpace::unit_quarantined(std::uint32_t start, HandleId* handle) const {

@@ -110,6 +110,10 @@ class TensorSpace {
   // Single-unit transitions. Each either succeeds, or throws leaving the unit in its previous state, or (when
   // its own undo fails) quarantines the unit and throws.
   void unmap_run(const std::vector<UnitSpan>& units, std::size_t first, std::size_t last);  // -> kHole
+  // InvalidArgument unless every unit is a sorted, whole unit in state `expected` (op names the caller).
+  void check_units(const std::vector<UnitSpan>& units, Kind expected, const char* op) const;
+  // The body of back() (handles given) and unback() (nullptr); the caller holds mu_.
+  void swap_units(const std::vector<UnitSpan>& units, const std::vector<HandleId>* handles);
   void hole_to_zero(std::uint32_t start);
   void hole_to_handle(std::uint32_t start, HandleId handle);
   // Rollback helpers: never throw; a failure quarantines the unit and returns false.
