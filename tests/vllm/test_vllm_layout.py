@@ -121,7 +121,7 @@ def test_per_tensor_plan_is_0_26_packed_kv() -> None:
     check_plan(planned, observed)
     assert observed.extent_tuples() == planned.extent_tuples()
     halves = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8, split_kv=True)
-    with pytest.raises(ConfigError, match="disagree on pages|differently from the plan"):
+    with pytest.raises(ConfigError, match=r"disagree on pages|differently from the plan"):
         check_plan(halves, observed)
 
 

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ELASTIC_KV_"
 
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):

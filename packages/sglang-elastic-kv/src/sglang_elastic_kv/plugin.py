@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from elastic_kv.errors import ConfigError
+
 from sglang_elastic_kv import cli, compat
 from sglang_elastic_kv.config import PluginConfig
 

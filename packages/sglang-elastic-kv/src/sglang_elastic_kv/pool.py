@@ -46,6 +46,17 @@ class ElasticKVPool:
     plugin_config: PluginConfig | None = None
     # Token slots one ledger block covers (the page size, or the token chunk at page_size 1).
     rows_per_block: int = 0
+    # The in-tree method that carves this pool's buffers (the seam overridden below), for error messages.
+    _carving_method: str = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.elastic is None:
+            # SGLang built the buffers without calling the method we override: its carving moved.
+            raise ConfigError(
+                f"SGLang did not build the KV buffers through {self._carving_method}; "
+                "this sglang version is not supported by --kv-cache-backend=elastic"
+            )
 
     def _elastic_setup(self, size: int, page_size: int) -> tuple[PluginConfig, int, int]:
         """Read the plugin config once and decide the block size; returns (config, rows, rows_per_block)."""
@@ -68,14 +79,7 @@ class ElasticKVPool:
 class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
     """``MHATokenToKVPool`` over elastic spaces; constructed by SGLang with the in-tree arguments."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.elastic is None:
-            # SGLang built the buffers without calling _create_buffers_normal: its carving moved.
-            raise ConfigError(
-                "SGLang did not build the MHA KV buffers through MHATokenToKVPool._create_buffers_normal; "
-                "this sglang version is not supported by --kv-cache-backend=elastic"
-            )
+    _carving_method = "MHATokenToKVPool._create_buffers_normal"
 
     def _create_buffers(self) -> None:
         self._refuse_unless_plain(
@@ -144,13 +148,7 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
 class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
     """``MLATokenToKVPool`` over elastic spaces (one latent buffer per layer)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.elastic is None:
-            raise ConfigError(
-                "SGLang did not build the MLA KV buffers through MLATokenToKVPool._create_buffers; "
-                "this sglang version is not supported by --kv-cache-backend=elastic"
-            )
+    _carving_method = "MLATokenToKVPool._create_buffers"
 
     def _create_buffers(self) -> None:
         self._refuse_unless_plain(
