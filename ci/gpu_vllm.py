@@ -23,8 +23,13 @@ Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to `
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import gc
 import json
 import os
+import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,6 +94,27 @@ class _Sampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class _GcPauses:
+    """Counts the garbage collector's pauses (all generations) while entered."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._t0 = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.count += 1
+
+    def __enter__(self) -> _GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _memory_probe(cpu_smoke: bool) -> tuple[Any, Any, str]:
@@ -190,12 +216,18 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     burst_params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(_prompts(8, args.prompt, 1), burst_params, use_tqdm=False)  # warm-up
     settled = idle()
-    # Two bursts, each from idle (the elastic pool grows from its reserve every time): the ratio is taken
-    # over both, so one noisy burst weighs less.
+    # Several bursts, each from idle (the elastic pool grows from its reserve every time): the ratio is
+    # that of the median bursts, so that a noisy burst (GPU clocks, the host) weighs little.
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()  # what a long-running server does after start-up: older objects leave the collector
     seconds, out_tokens, per_burst = 0.0, 0, []
-    with _Sampler(probe) as sampler:
-        for seed in (2, 3):
-            if seed != 2:
+    profiler = cProfile.Profile() if args.profile else None
+    pauses = _GcPauses()
+    cpu0 = time.thread_time()
+    with _Sampler(probe) as sampler, pauses, profiler or contextlib.nullcontext():
+        for seed in range(2, 2 + args.bursts):
+            if seed == 3:
                 first_burst = list(sampler.samples)
                 idle()
             t1 = time.perf_counter()
@@ -205,6 +237,10 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             seconds, out_tokens = seconds + took, out_tokens + made
             per_burst.append(round(made / took, 1))
     after = idle()
+    if profiler is not None:
+        with open(Path(args.out) / f"profile_{backend}.txt", "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
 
     result: dict[str, Any] = {
         "backend": backend,
@@ -215,6 +251,12 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "burst_seconds": round(seconds, 3),
         "burst_tokens_per_s": round(out_tokens / seconds, 1),
         "burst_tokens_per_s_each": per_burst,
+        "burst_tokens_per_s_median": statistics.median(per_burst),
+        # Where the bursts' time went on the engine's thread: its own CPU time, and garbage collection.
+        "burst_thread_cpu_s": round(time.thread_time() - cpu0, 3),
+        "burst_gc_s": round(pauses.seconds, 3),
+        "burst_gc_collections": pauses.count,
+        "gc_tracked_objects": len(gc.get_objects()),
         "free_before": before["free"],
         "free_idle_before_burst": settled["free"],
         "free_min_during": min(s["free"] for s in sampler.samples),
@@ -256,8 +298,10 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", backend, "--model-dir", args.model_dir]
     cmd += ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output)]
-    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--bursts", str(args.bursts)]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+    cmd += ["--profile", "--out", args.out] if args.profile else []
+    cmd += ["--gc-freeze"] if args.gc_freeze else []
     log = Path(args.out) / f"gpu_vllm_{backend}.log"
     env = {**os.environ, **ENV}
     if backend == "native":
@@ -280,10 +324,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--bursts", type=int, default=5, help="timed bursts per backend (median taken)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["native", "elastic"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the bursts; write profile_<backend>.txt to --out"
+    )
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")
     args = parser.parse_args()
     if args.child:
@@ -295,7 +344,7 @@ def main() -> None:
     elastic = _run("elastic", args)
 
     same = native["tokens"] == elastic["tokens"]
-    ratio = elastic["burst_tokens_per_s"] / native["burst_tokens_per_s"]
+    ratio = elastic["burst_tokens_per_s_median"] / native["burst_tokens_per_s_median"]
     idle_ok = elastic["charged_after"] <= elastic["page_bytes"] + elastic["reserve_max_bytes"]
     steady = elastic["steady_decode"]
     share = steady["driver_steps"] / steady["steps"] if steady["steps"] else float("nan")
@@ -320,12 +369,18 @@ def main() -> None:
         f"{_gib(elastic['charged_before'])}, peak {_gib(elastic['charged_peak'])}, after "
         f"{_gib(elastic['charged_after'])} (reserve cap {_gib(elastic['reserve_max_bytes'])}, page "
         f"{elastic['page_bytes'] >> 20} MiB = {elastic['blocks_per_page']} blocks)",
-        f"throughput: native {native['burst_tokens_per_s']} tok/s, elastic {elastic['burst_tokens_per_s']} "
-        f"tok/s, ratio {ratio:.4f}",
+        f"throughput (median of {args.bursts} bursts): native {native['burst_tokens_per_s_median']} tok/s, "
+        f"elastic {elastic['burst_tokens_per_s_median']} tok/s, ratio {ratio:.4f} (per burst: native "
+        f"{native['burst_tokens_per_s_each']}, elastic {elastic['burst_tokens_per_s_each']})",
         f"decode steps that waited for the driver: {steady['driver_steps']}/{steady['steps']} in steady "
         f"decode ({share:.2%}); {elastic['driver_steps_total']}/{elastic['steps_total']} over the whole run; "
         f"{elastic['background_maps']} background pre-maps; reserve hit rate {elastic['reserve_hit_rate']}",
         f"driver calls (elastic worker): {elastic['driver_calls']}",
+        "engine thread in the bursts (native / elastic): wall "
+        f"{native['burst_seconds']} / {elastic['burst_seconds']} s, CPU {native['burst_thread_cpu_s']} / "
+        f"{elastic['burst_thread_cpu_s']} s, garbage collection {native['burst_gc_s']} / "
+        f"{elastic['burst_gc_s']} s ({native['burst_gc_collections']} / {elastic['burst_gc_collections']} "
+        f"pauses; {native['gc_tracked_objects']} / {elastic['gc_tracked_objects']} tracked objects)",
         f"start-up: native {native['startup_s']} s, elastic {elastic['startup_s']} s, "
         f"delta {elastic['startup_s'] - native['startup_s']:+.2f} s",
         "checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in checks.items()),

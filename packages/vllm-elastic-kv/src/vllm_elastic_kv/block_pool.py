@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ElasticBlockPool"]
 
+# vLLM's own method, called directly: it runs for every new block, and a super() lookup is a measurable share.
+_vllm_get_new_blocks = BlockPool.get_new_blocks
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,6 +71,9 @@ class ElasticBlockPool(BlockPool):
         # Set by ElasticKVCacheManager around the first try of an allocation: only free blocks on backed
         # pages count, so an allocation that fits takes them without mapping or evicting anything.
         self.backed_only = False
+        # A ledger attached, no admission in progress, no reset: the count get_num_free_blocks returns most
+        # often is one flag test away (kept by _update_count_mode; backed_only is tested before it).
+        self._plain_count = False
 
     def attach(self, ledger: Ledger) -> None:
         """Connect the ledger; its null block must be vLLM's (block 0), its blocks these blocks."""
@@ -78,6 +84,7 @@ class ElasticBlockPool(BlockPool):
         if ledger.null_block != self.null_block.block_id:
             raise ValueError(f"ledger null block {ledger.null_block} != vLLM's {self.null_block.block_id}")
         self.ledger = ledger
+        self._update_count_mode()
 
     # -- counting -------------------------------------------------------------------------------------
     @property
@@ -91,16 +98,24 @@ class ElasticBlockPool(BlockPool):
         assert self.ledger is not None
         return self.ledger.used_blocks - self.num_cached - len(self._stash)
 
+    def _update_count_mode(self) -> None:
+        self._plain_count = not (self.ledger is None or self._strict or self._native_count or self._stash)
+
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can get now: the ledger's available blocks (backed, or backable within the
-        physical limit) plus the evictable cached blocks (see :meth:`admission` for the strict count)."""
+        physical limit) plus the evictable cached blocks (see :meth:`admission` for the strict count).
+
+        vLLM asks once per scheduled request, so the two common answers come first: the backed free blocks
+        (an allocation's first try) and the ledger's available blocks plus the cached ones."""
+        if self.backed_only:
+            return self.ledger.free_backed_blocks  # type: ignore[union-attr]
+        if self._plain_count:
+            return self.free_block_queue.num_free_blocks + self.ledger.available_size()  # type: ignore[union-attr]
         ledger = self.ledger
         if ledger is None:
             return super().get_num_free_blocks()
         if self._native_count:
             return self.num_gpu_blocks - 1 - self.num_referenced
-        if self.backed_only:
-            return ledger.free_backed_blocks
         ready = self.free_block_queue.num_free_blocks + len(self._stash)
         return ready + (ledger.free_backed_blocks if self._strict else ledger.available_size())
 
@@ -125,6 +140,7 @@ class ElasticBlockPool(BlockPool):
             ids = ledger.alloc(want) if want > 0 else []
             self._stash = ids or []
             self._strict = ids is None or want < bound
+            self._update_count_mode()
         try:
             yield
         finally:
@@ -132,6 +148,7 @@ class ElasticBlockPool(BlockPool):
                 stash, self._stash = self._stash, []
                 ledger.free(stash)
             self._strict = False
+            self._update_count_mode()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """vLLM's ``get_new_blocks``, served from the stash, the ledger, then the LRU cached blocks."""
@@ -140,25 +157,33 @@ class ElasticBlockPool(BlockPool):
             return super().get_new_blocks(num_blocks)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ids = self._take_ids(num_blocks)
+        ids = None
+        if not self._stash and not self._strict:
+            ids = ledger.alloc(num_blocks)  # the common case, a decode step's block: the ledger has it
+        if ids is None:
+            ids = self._take_ids(num_blocks, ledger_refused=not self._stash and not self._strict)
         # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Its own
         # check must count the blocks just queued, whatever counting mode the caller is in.
-        self.free_block_queue.prepend_n([self.blocks[i] for i in ids])
-        backed_only, self.backed_only = self.backed_only, False
+        blocks = self.blocks
+        self.free_block_queue.prepend_n([blocks[i] for i in ids])
+        if not self.backed_only:
+            return _vllm_get_new_blocks(self, num_blocks)
+        self.backed_only = False
         try:
-            return super().get_new_blocks(num_blocks)
+            return _vllm_get_new_blocks(self, num_blocks)
         finally:
-            self.backed_only = backed_only
+            self.backed_only = True
 
-    def _take_ids(self, n: int) -> list[int]:
-        """``n`` ids: stash first, then the ledger; fewer when cached blocks must cover the rest."""
+    def _take_ids(self, n: int, ledger_refused: bool = False) -> list[int]:
+        """``n`` ids: stash first, then the ledger; fewer when cached blocks must cover the rest.
+        ``ledger_refused``: ``ledger.alloc(n)`` was just tried (no stash) and answered ``None``."""
         ledger = self.ledger
         assert ledger is not None
         taken = self._stash[:n]
         del self._stash[:n]
         need = n - len(taken)
         if need:
-            got = None if self._strict else ledger.alloc(need)
+            got = None if self._strict or ledger_refused else ledger.alloc(need)
             if got is None:
                 # Physical pressure: what is backed, and evict cached blocks for the rest.
                 got = ledger.alloc(min(need, ledger.free_backed_blocks)) or []
@@ -215,10 +240,12 @@ class ElasticBlockPool(BlockPool):
         if self.ledger is None:
             return super().reset_prefix_cache()
         self._native_count = True
+        self._update_count_mode()
         try:
             ok = super().reset_prefix_cache()
         finally:
             self._native_count = False
+            self._update_count_mode()
         if ok:
             self._release(self.free_block_queue.popleft_n(self.free_block_queue.num_free_blocks))
             self.ledger.trim()

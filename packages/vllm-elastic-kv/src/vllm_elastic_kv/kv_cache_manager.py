@@ -33,8 +33,8 @@ _TOKEN_ARGS = ("num_new_tokens", "num_lookahead_tokens", "num_external_computed_
 # Positions of those parameters after (self, request) in this vLLM's allocate_slots.
 _PARAMS = list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:]
 _POSITIONS = {name: _PARAMS.index(name) for name in _TOKEN_ARGS if name in _PARAMS}
-# Keyword arguments of the decode-path call that do not change the bound beyond num_lookahead_tokens.
-_FAST_KWARGS = frozenset({"num_lookahead_tokens"}) if _PARAMS[:1] == ["num_new_tokens"] else frozenset()
+# vLLM's own method, called directly: per scheduled request, a super() lookup is a measurable share.
+_vllm_allocate_slots = KVCacheManager.allocate_slots
 
 
 def admission_bound(block_sizes: list[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -52,34 +52,70 @@ class ElasticKVCacheManager(KVCacheManager):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._block_sizes = [int(m.block_size) for m in self.coordinator.single_type_managers]
-        # One KV cache group (the models served today): the decode-path bound without a loop.
-        self._one_size = self._block_sizes[0] if len(self._block_sizes) == 1 else 0
         pool = self.block_pool
         self._pool: ElasticBlockPool | None = pool if isinstance(pool, ElasticBlockPool) else None
 
-    def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``allocate_slots`` under the pool's admission (see the module docstring)."""
+    def allocate_slots(
+        self, request: Any, num_new_tokens: Any, *args: Any, num_lookahead_tokens: Any = None, **kwargs: Any
+    ) -> Any:
+        """vLLM's ``allocate_slots`` under the pool's admission (see the module docstring).
+
+        ``num_lookahead_tokens`` is named so that the scheduler's per-request call,
+        ``allocate_slots(request, n, num_lookahead_tokens=k)``, is passed on as it came, without building an
+        argument dict; ``None`` means the caller did not pass it by name (vLLM's default applies)."""
         pool = self._pool
-        ledger = pool.ledger if pool is not None else None
-        if pool is None or ledger is None:
-            return super().allocate_slots(request, *args, **kwargs)
-        if self._one_size and len(args) == 1 and (not kwargs or _FAST_KWARGS.issuperset(kwargs)):
-            # The scheduler's running-request call: allocate_slots(request, n, num_lookahead_tokens=k).
-            tokens = args[0] + kwargs.get("num_lookahead_tokens", 0) if kwargs else args[0]
-            bound = -(-tokens // self._one_size) + 2
+        if pool is None or pool.ledger is None:
+            if num_lookahead_tokens is not None:
+                kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+            return _vllm_allocate_slots(self, request, num_new_tokens, *args, **kwargs)
+        if not args and not kwargs:
+            # The running-request call. A running request has no watermark and no reserved blocks, so vLLM
+            # admits it against the backed free blocks exactly when the bound would have found them enough
+            # (it needs at most the bound); trying that first costs two flag writes instead of the bound.
+            pool.backed_only = True  # a flag, not a context manager: this runs per request per step
+            try:
+                if num_lookahead_tokens is None:
+                    blocks = _vllm_allocate_slots(self, request, num_new_tokens)
+                else:
+                    blocks = _vllm_allocate_slots(
+                        self, request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+                    )
+            finally:
+                pool.backed_only = False
+            if blocks is not None:
+                return blocks
+            tried_backed = True
         else:
-            bound = admission_bound(self._block_sizes, args, kwargs)
+            tried_backed = False
+        if num_lookahead_tokens is not None:
+            kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+        return self._admitted(pool, request, (num_new_tokens, *args), kwargs, tried_backed)
+
+    def _admitted(
+        self,
+        pool: ElasticBlockPool,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tried_backed: bool,
+    ) -> Any:
+        """``allocate_slots`` when the backed free blocks may not cover the call (see the module docstring);
+        ``tried_backed``: the call was already tried counting backed free blocks only, and vLLM said no."""
+        ledger = pool.ledger
+        assert ledger is not None
+        bound = admission_bound(self._block_sizes, args, kwargs)
         if ledger.free_backed_blocks >= bound:
-            return super().allocate_slots(request, *args, **kwargs)  # backed already: nothing to do
-        # The bound overestimates (most decode calls need no block at all): first try with the backed free
-        # blocks only; vLLM returns None before changing anything if they do not suffice, and retrying
-        # allocate_slots after a None is what vLLM's own scheduler does between preemptions.
-        pool.backed_only = True  # a flag, not a context manager: this runs per request per step
-        try:
-            blocks = super().allocate_slots(request, *args, **kwargs)
-        finally:
-            pool.backed_only = False
-        if blocks is not None:
-            return blocks
+            return _vllm_allocate_slots(self, request, *args, **kwargs)  # backed already: nothing to do
+        if not tried_backed:
+            # The bound overestimates (most decode calls need no block at all): first try with the backed
+            # free blocks only; vLLM returns None before changing anything if they do not suffice, and
+            # retrying allocate_slots after a None is what vLLM's own scheduler does between preemptions.
+            pool.backed_only = True
+            try:
+                blocks = _vllm_allocate_slots(self, request, *args, **kwargs)
+            finally:
+                pool.backed_only = False
+            if blocks is not None:
+                return blocks
         with pool.admission(bound):
-            return super().allocate_slots(request, *args, **kwargs)
+            return _vllm_allocate_slots(self, request, *args, **kwargs)
