@@ -181,6 +181,12 @@ class ElasticAllocatorMixin:
         Lets a composite allocator back all of its parts before it lets any of them allocate."""
         raise NotImplementedError
 
+    def give_back_unused(self) -> None:
+        """Return to the ledger every block this allocator holds none of whose slots SGLang holds (backed
+        by :meth:`ensure_backed` but never handed out). A composite allocator calls it to undo the backing
+        of one part when another part cannot back its share, so a failed allocation takes nothing."""
+        raise NotImplementedError
+
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
         """Admission budget over backable headroom (see :class:`ElasticPrefillBudget`)."""
         return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
@@ -268,6 +274,10 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
             if short > 0 and not self._grow(short):
                 return False
         return True
+
+    def give_back_unused(self) -> None:
+        """Chunks whose slots are all free go back to the ledger (see :meth:`ElasticAllocatorMixin.give_back_unused`)."""
+        self._release_empty_chunks()
 
     def _grow(self, tokens: int) -> bool:
         """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing.
@@ -384,6 +394,16 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         )
         self._owned_pages += len(new)
         return True
+
+    def give_back_unused(self) -> None:
+        """Every backed free page goes back to the ledger (see :meth:`ElasticAllocatorMixin.give_back_unused`):
+        SGLang's frees already go straight to the ledger, so free pages are only ever backed ahead of use."""
+        self.merge_and_sort_free()
+        if len(self.free_pages):
+            ids = self.free_pages.tolist()
+            self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+            self._ledger.free(ids)
+            self._owned_pages -= len(ids)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's page-aligned ``alloc`` after backing the pages it will take."""

@@ -15,7 +15,8 @@ free groups, SWA eviction, its kernels); what changes:
   page_size > 1 asks the platform seam, which a non-hooked process leaves unanswered: either way a plain
   sub-allocator is replaced by the elastic one over the same sub-pool);
 * every allocation backs the pages of *both* sides before either side allocates (SGLang asserts that the
-  second side succeeds once the first did; a half-done allocation would leak the first side);
+  second side succeeds once the first did; a half-done allocation would leak the first side), and a side
+  that cannot back its share makes the other give back what it backed: a refused allocation takes nothing;
 * the scheduler's capacity hooks (admission budget, decode capacity and eviction) see what each side can
   back now, not the sub-pools' logical sizes; ``full_available_size`` / ``swa_available_size`` stay logical
   because SGLang's idle leak check balances them against the pools' sizes;
@@ -109,8 +110,8 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             pool = getattr(kvcache, part, None)
             if not isinstance(pool, ElasticMHATokenToKVPool):
                 raise ConfigError(
-                    f"--kv-cache-backend=elastic serves hybrid SWA models over MHA sub-pools; this model's "
-                    f"{part} is {type(pool).__name__}"
+                    f"--kv-cache-backend=elastic serves hybrid SWA models over elastic MHA sub-pools; this "
+                    f"model's {part} is {type(pool).__name__} (MLA-SWA and other hybrids are not served)"
                 )
         self.full_attn_allocator = self._elastic(self.full_attn_allocator, size, kvcache.full_kv_pool)
         self.swa_attn_allocator = self._elastic(self.swa_attn_allocator, size_swa, kvcache.swa_kv_pool)
@@ -169,22 +170,29 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
     # -- allocation: back both sides first, then SGLang's allocation ------------------------------------
 
     def _back_both(self, full_pages: int, swa_pages: int) -> bool:
-        # A side backed here but not used (the other side could not back) keeps its pages in its own free
-        # list: held and accounted, used by the next allocation or returned when that side frees.
-        for part, sub, pages in (
-            ("full", self.full_attn_allocator, full_pages),
-            ("swa", self.swa_attn_allocator, swa_pages),
-        ):
-            if not sub.ensure_backed(pages):
-                logger.warning(
-                    "elastic KV: the %s pool cannot back %d page(s) now (%d slots backable): %s",
-                    part,
-                    pages,
-                    sub.elastic_available_size(),
-                    sub._ledger.snapshot(),
-                )
-                return False
+        """Back ``full_pages`` / ``swa_pages`` pages on the two sides, or neither: when the SWA side cannot
+        back its share, the full side gives back what it backed ahead of use, so a refused allocation
+        leaves no memory held on either side (its caller returns None; SGLang defers or retracts)."""
+        if not self.full_attn_allocator.ensure_backed(full_pages):
+            self._log_short("full", self.full_attn_allocator, full_pages)
+            return False
+        if not self.swa_attn_allocator.ensure_backed(swa_pages):
+            self.full_attn_allocator.give_back_unused()
+            self._log_short("swa", self.swa_attn_allocator, swa_pages)
+            return False
         return True
+
+    @staticmethod
+    def _log_short(part: str, sub: Any, pages: int) -> None:
+        # The scheduler's capacity hooks should have deferred or retracted first; this is the race where
+        # memory vanished between its check and the allocation (another pool, a lowered limit).
+        logger.warning(
+            "elastic KV: the %s pool cannot back %d page(s) now (%d slots backable): %s",
+            part,
+            pages,
+            sub.elastic_available_size(),
+            sub._ledger.snapshot(),
+        )
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's page_size-1 ``alloc`` after backing ``need_size`` slots on both sides."""
