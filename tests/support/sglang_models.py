@@ -19,7 +19,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.support.models import DEFAULT_CACHE, tiny_model
+from tests.support.models import DEFAULT_CACHE, REPO_ROOT, tiny_model
+
+# The test-only SGLang plugin that corrects SGLang 0.5.23's CPU attention for SWA pools (see its module
+# docstring). Its directory goes on an SWA engine's PYTHONPATH, native and elastic engines alike.
+CPU_FIXES = REPO_ROOT / "tests" / "support" / "sglang_cpu_fixes"
+SWA_ENGINE_ENV = {"PYTHONPATH": str(CPU_FIXES)}
 
 
 @dataclass(frozen=True)
