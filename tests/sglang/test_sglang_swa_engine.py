@@ -193,7 +193,9 @@ def test_ps1_both_pools_follow_load(
     for name in names:
         after = _idle(registry_dir, name)
         assert after.used_blocks == 0
-        assert after.mapped_bytes <= max(idle[name].mapped_bytes, (1 + after.reserve_pages) * after.page_bytes)
+        assert after.mapped_bytes <= max(
+            idle[name].mapped_bytes, (1 + after.reserve_pages) * after.page_bytes
+        )
 
 
 # -- page_size 16 -------------------------------------------------------------------------------------------

@@ -69,7 +69,9 @@ def _make(page_size: int) -> tuple[Any, Any]:
     from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
     pool = _swa_pool(page_size)
-    return pool, ElasticSWATokenToKVPoolAllocator(SIZE, SIZE_SWA, page_size, torch.float32, "cpu", pool, False)
+    return pool, ElasticSWATokenToKVPoolAllocator(
+        SIZE, SIZE_SWA, page_size, torch.float32, "cpu", pool, False
+    )
 
 
 @pytest.fixture(params=[1, 16], ids=["ps1", "ps16"])
@@ -109,10 +111,12 @@ def test_both_sub_pools_are_elastic_and_registered(swa: tuple[Any, Any], tmp_pat
     from sglang_elastic_kv.allocators import ElasticAllocatorMixin
 
     pool, alloc = swa
-    assert isinstance(alloc.full_attn_allocator, ElasticAllocatorMixin)
-    assert isinstance(alloc.swa_attn_allocator, ElasticAllocatorMixin)
-    assert alloc.full_attn_allocator.get_kvcache() is pool.full_kv_pool
-    assert alloc.swa_attn_allocator.get_kvcache() is pool.swa_kv_pool
+    for sub, sub_pool in (
+        (alloc.full_attn_allocator, pool.full_kv_pool),
+        (alloc.swa_attn_allocator, pool.swa_kv_pool),
+    ):
+        assert sub.get_kvcache() is sub_pool
+        assert isinstance(sub, ElasticAllocatorMixin)
     registry = Registry(tmp_path)  # the env fixture's registry directory
     full, swa_rec = registry.pool(f"{NAME}-full"), registry.pool(f"{NAME}-swa")
     assert full.engine == swa_rec.engine == "sglang"
@@ -128,7 +132,7 @@ def test_available_sizes_stay_logical_elastic_sizes_are_physical(swa: tuple[Any,
     assert (alloc.full_available_size(), alloc.swa_available_size()) == (SIZE, SIZE_SWA)
     assert alloc.available_size() == SIZE_SWA
     assert (alloc.elastic_full_available_size(), alloc.elastic_swa_available_size()) == (SIZE, SIZE_SWA)
-    full_ledger, swa_ledger = _ledgers(pool)
+    swa_ledger = pool.swa_kv_pool.elastic.ledger
     # Limit the SWA side to two data-plane pages: the logical sizes (SGLang's idle leak check balances
     # them against the pool sizes) do not move; what the scheduler's hooks see does.
     swa_ledger.resize(2 * swa_ledger.geometry.page_bytes)
@@ -313,7 +317,8 @@ def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatc
         from types import SimpleNamespace
 
         verify_configured_after(
-            SimpleNamespace(token_to_kv_pool_allocator=built), SimpleNamespace(_page_major_enabled=lambda: False)
+            SimpleNamespace(token_to_kv_pool_allocator=built),
+            SimpleNamespace(_page_major_enabled=lambda: False),
         )
     finally:
         _close(pool)
@@ -327,7 +332,9 @@ def test_pure_swa_allocator_is_refused(env: pytest.MonkeyPatch) -> None:
     try:
         with pytest.raises(ConfigError, match="PureSWATokenToKVPoolAllocator"):
             build_allocator_around(
-                lambda cfg, **kw: PureSWATokenToKVPoolAllocator(SIZE_SWA, 1, torch.float32, "cpu", pool, False),
+                lambda cfg, **kw: PureSWATokenToKVPoolAllocator(
+                    SIZE_SWA, 1, torch.float32, "cpu", pool, False
+                ),
                 object(),
                 token_to_kv_pool_allocator=None,
             )

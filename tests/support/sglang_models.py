@@ -50,7 +50,7 @@ class TinySWASpec:
 
 def tiny_swa_model(spec: TinySWASpec = TinySWASpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
-    root = Path(cache_dir or os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
     path = root / spec.name
     done = path / ".complete"
     if done.exists():

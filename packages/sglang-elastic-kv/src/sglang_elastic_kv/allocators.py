@@ -276,7 +276,8 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         return True
 
     def give_back_unused(self) -> None:
-        """Chunks whose slots are all free go back to the ledger (see :meth:`ElasticAllocatorMixin.give_back_unused`)."""
+        """Chunks whose slots are all free go back to the ledger (see
+        :meth:`ElasticAllocatorMixin.give_back_unused`)."""
         self._release_empty_chunks()
 
     def _grow(self, tokens: int) -> bool:
@@ -396,8 +397,8 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         return True
 
     def give_back_unused(self) -> None:
-        """Every backed free page goes back to the ledger (see :meth:`ElasticAllocatorMixin.give_back_unused`):
-        SGLang's frees already go straight to the ledger, so free pages are only ever backed ahead of use."""
+        """Every backed free page goes back to the ledger (:meth:`ElasticAllocatorMixin.give_back_unused`);
+        SGLang's frees go straight to the ledger here, so a free page is one backed ahead of use."""
         self.merge_and_sort_free()
         if len(self.free_pages):
             ids = self.free_pages.tolist()

@@ -212,7 +212,9 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
     ) -> torch.Tensor | None:
         """SGLang's ``alloc_extend`` after backing the new pages on both sides (counted on the CPU; both
         sides page in step, as SGLang's own call passes one count to both)."""
-        pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
+        pages = get_num_new_pages(
+            seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+        )
         if not self.new_pages_available(pages, pages) or not self._back_both(pages, pages):
             return None
         result: torch.Tensor | None = super().alloc_extend(
@@ -265,7 +267,8 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         self.swa_attn_allocator.elastic_step_end()
 
     def verify_byte_accounting(self) -> list[str]:
-        """SGLang's idle diagnostic on both sides (see :meth:`ElasticAllocatorMixin.verify_byte_accounting`)."""
+        """SGLang's idle diagnostic on both sides, each violation prefixed with its side (see
+        :meth:`ElasticAllocatorMixin.verify_byte_accounting`)."""
         violations: list[str] = []
         for part, sub in (("full", self.full_attn_allocator), ("swa", self.swa_attn_allocator)):
             violations += [f"{part}: {text}" for text in sub.verify_byte_accounting()]
@@ -280,4 +283,3 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """Both pools map on demand again."""
         self.full_attn_allocator.elastic_wake()
         self.swa_attn_allocator.elastic_wake()
-
