@@ -250,6 +250,48 @@ def test_ps16_lowered_limit_retracts_not_crashes(
     assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
 
 
+def test_ps16_sliding_window_pool_limit_is_followed(
+    elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    """A limit on the sliding-window pool alone: SGLang's SWA admission budget and decode check see what
+    that pool can back, so the batch runs within it (admission defers, decode retracts; nothing fails)
+    and gives the same tokens."""
+    name = "swa-elastic-ps16-swa"
+    retracted_before = elastic_ps16.log_path.read_text().count("Retract requests")
+    elastic_ps16.call("flush_cache")
+    page_bytes = _idle(registry_dir, name).page_bytes
+    limit = 2 * page_bytes  # the null page and one more: ~500 SWA tokens for 8 x 48-token prompts
+    registry = Registry(registry_dir)
+    registry.set_limit(name, limit)
+    try:
+        _settled(registry_dir, name, lambda s: s.limit_bytes == limit)
+        peak = 0
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.is_set():
+                snap = registry.pool(name).snapshot
+                if snap is not None:
+                    peak = max(peak, snap.mapped_bytes)
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            out = elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)
+        finally:
+            done.set()
+            watcher.join()
+        assert out == reference[16]["heavy"]
+        assert 0 < peak <= limit
+        log = elastic_ps16.log_path.read_text()
+        assert log.count("Retract requests") > retracted_before  # the SWA side's decode check bound
+        assert "Out of memory" not in log
+    finally:
+        registry.set_limit(name, 0)
+
+
 @pytest.mark.parametrize("name", ["swa-elastic-ps1", "swa-elastic-ps16"])
 def test_idle_leak_check_ran_and_passed(
     name: str, elastic_ps1: EngineProcess, elastic_ps16: EngineProcess, registry_dir: Path
