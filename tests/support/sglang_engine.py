@@ -43,7 +43,8 @@ def engine_environ(
     extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The environment of an SGLang CPU engine process: ``base`` (default ``os.environ``) plus the CPU
-    switches, the stand-in ``sgl_kernel`` first on ``PYTHONPATH``, and ``extra``."""
+    switches, the stand-in ``sgl_kernel`` first on ``PYTHONPATH``, and ``extra`` (whose ``PYTHONPATH``, if
+    any, joins the path after the stand-in and the repository instead of replacing them)."""
     env = dict(os.environ if base is None else base)
     # One compute thread: torch's OpenMP pool oversubscribes 2 shared cores and spins (20x slower here).
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -53,11 +54,13 @@ def engine_environ(
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    extra = dict(extra or {})
     path = [str(STAND_IN), str(REPO_ROOT)]
-    if env.get("PYTHONPATH"):
-        path.append(env["PYTHONPATH"])
+    for more in (extra.pop("PYTHONPATH", ""), env.get("PYTHONPATH", "")):
+        if more:
+            path.append(more)
     env["PYTHONPATH"] = os.pathsep.join(path)
-    env.update(extra or {})
+    env.update(extra)
     return env
 
 

@@ -45,19 +45,38 @@ __all__ = [
     "ElasticPagedTokenToKVPoolAllocator",
     "ElasticPrefillBudget",
     "ElasticTokenToKVPoolAllocator",
+    "room_after_eviction",
 ]
 
 logger = logging.getLogger(__name__)
 
 
+def room_after_eviction(backable: int, evictable: int, limit_room: int | None) -> int:
+    """Slots an allocation can count on once ``evictable`` cached slots are evicted, given ``backable`` slots
+    it can get now and ``limit_room`` (:meth:`ElasticAllocatorMixin.elastic_limit_room`; None: no limit).
+
+    Evicting frees the cached slots' blocks; within the pool's limit they can be reused (or backed again),
+    but while the pool is over its limit (``kvctl`` lowered it) the ledger unmaps emptied pages instead, so
+    eviction only helps up to the limit. What is backable now always remains usable.
+    """
+    if limit_room is None:
+        return backable + evictable
+    return max(backable, min(backable, limit_room) + evictable)
+
+
 class ElasticPrefillBudget(PrefillBudget):
     """SGLang's prefill budget with the allocator's *backable* headroom in place of its logical one."""
 
+    def __init__(self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> None:
+        super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+        # One budget serves one scheduling pass, during which nothing is allocated: read the limit once.
+        self._limit_room = allocator.elastic_limit_room()
+
     def _available_and_evictable(self) -> int:
-        # The parent adds the tree cache's evictable tokens to allocator.available_size(); swap the
-        # logical term for the physical one rather than re-deriving the evictable part.
-        logical: int = super()._available_and_evictable()
-        return logical - self.allocator.available_size() + self.allocator.elastic_available_size()
+        # The parent adds the tree cache's evictable tokens to allocator.available_size(); keep its
+        # evictable term (it knows which cache counter applies) and swap the logical term for the physical.
+        evictable = super()._available_and_evictable() - self.allocator.available_size()
+        return room_after_eviction(self.allocator.elastic_available_size(), evictable, self._limit_room)
 
 
 class ElasticAllocatorMixin:
@@ -98,18 +117,38 @@ class ElasticAllocatorMixin:
         """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
         raise NotImplementedError
 
+    def elastic_limit_room(self) -> int | None:
+        """Token slots the pool could hold beyond its live blocks under its own limit (negative while it is
+        over the limit and shrinking); None when the pool has no limit. Page-granular, so an estimate."""
+        snap = self._ledger.snapshot()
+        if not snap.limit_bytes or not snap.page_bytes:
+            return None
+        cap_blocks = snap.limit_bytes // snap.page_bytes * snap.blocks_per_page
+        # The null block shares page 0 with others but is never counted as used.
+        live = snap.used_blocks + (self._ledger.null_block is not None)
+        return (cap_blocks - live) * int(self._kvcache.rows_per_block)
+
     # -- once per engine step: SGLang opens a free group around every batch result it processes --------
 
     def free_group_begin(self) -> None:
-        """SGLang's free group; a new release epoch: GPU work launched before now may still read blocks
-        freed in this group (overlap scheduling runs one batch ahead)."""
+        """SGLang's free group, and :meth:`elastic_step_begin`."""
         super().free_group_begin()  # type: ignore[misc]
-        self._ledger.advance_epoch()
+        self.elastic_step_begin()
 
     def free_group_end(self) -> None:
-        """SGLang's frees, then the ledger's step housekeeping: the batch whose results were processed one
-        group ago has finished, so pages emptied before it can be unmapped; reserve, limit, snapshot."""
+        """SGLang's frees, then :meth:`elastic_step_end`."""
         super().free_group_end()  # type: ignore[misc]
+        self.elastic_step_end()
+
+    def elastic_step_begin(self) -> None:
+        """A new release epoch: GPU work launched before now may still read blocks freed from here on
+        (overlap scheduling runs one batch ahead). Called at every free group's start, by this allocator or
+        by the composite that owns it (the SWA allocator drives its SWA side without SGLang's free groups)."""
+        self._ledger.advance_epoch()
+
+    def elastic_step_end(self) -> None:
+        """The ledger's step housekeeping, at every free group's end: the batch whose results were processed
+        one group ago has finished, so pages emptied before it can be unmapped; reserve, limit, snapshot."""
         self._ledger.release_through(self._prev_epoch)
         self._prev_epoch = self._ledger.epoch
         # Housekeeping costs tens of microseconds; a fast step (a small model on a CPU) need not pay it
@@ -134,6 +173,18 @@ class ElasticAllocatorMixin:
         return []
 
     def _held_blocks(self) -> int:
+        raise NotImplementedError
+
+    def ensure_backed(self, num_pages: int) -> bool:
+        """Make the free list hold at least ``num_pages`` backed SGLang pages (token slots at page_size 1),
+        taking blocks from the ledger as needed; False (with nothing taken) when it cannot back them now.
+        Lets a composite allocator back all of its parts before it lets any of them allocate."""
+        raise NotImplementedError
+
+    def give_back_unused(self) -> None:
+        """Return to the ledger every block this allocator holds none of whose slots SGLang holds (backed
+        by :meth:`ensure_backed` but never handed out). A composite allocator calls it to undo the backing
+        of one part when another part cannot back its share, so a failed allocation takes nothing."""
         raise NotImplementedError
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> PrefillBudget:
@@ -210,13 +261,24 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's ``alloc``; a free list shorter than ``need_size`` first grows by whole backed chunks."""
-        if need_size > len(self.free_pages):
-            self.merge_and_sort_free()
-            short = need_size - len(self.free_pages)
-            if short > 0 and not self._grow(short):
-                return None
+        if not self.ensure_backed(need_size):
+            return None
         result: torch.Tensor | None = super().alloc(need_size)
         return result
+
+    def ensure_backed(self, num_pages: int) -> bool:
+        """At least ``num_pages`` backed free slots (see :meth:`ElasticAllocatorMixin.ensure_backed`)."""
+        if num_pages > len(self.free_pages):
+            self.merge_and_sort_free()
+            short = num_pages - len(self.free_pages)
+            if short > 0 and not self._grow(short):
+                return False
+        return True
+
+    def give_back_unused(self) -> None:
+        """Chunks whose slots are all free go back to the ledger (see
+        :meth:`ElasticAllocatorMixin.give_back_unused`)."""
+        self._release_empty_chunks()
 
     def _grow(self, tokens: int) -> bool:
         """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing.
@@ -317,7 +379,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         backable = len(self.free_pages) + self.num_staged_pages + self._ledger.available_size()
         return min(self.available_size(), backable * self.page_size)
 
-    def _ensure_pages(self, num_pages: int) -> bool:
+    def ensure_backed(self, num_pages: int) -> bool:
         """Make ``free_pages`` hold at least ``num_pages`` backed pages (ledger blocks); all or nothing."""
         if num_pages <= len(self.free_pages):
             return True
@@ -334,9 +396,19 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         self._owned_pages += len(new)
         return True
 
+    def give_back_unused(self) -> None:
+        """Every backed free page goes back to the ledger (:meth:`ElasticAllocatorMixin.give_back_unused`);
+        SGLang's frees go straight to the ledger here, so a free page is one backed ahead of use."""
+        self.merge_and_sort_free()
+        if len(self.free_pages):
+            ids = self.free_pages.tolist()
+            self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+            self._ledger.free(ids)
+            self._owned_pages -= len(ids)
+
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's page-aligned ``alloc`` after backing the pages it will take."""
-        if not self._ensure_pages(need_size // self.page_size):
+        if not self.ensure_backed(need_size // self.page_size):
             return None
         result: torch.Tensor | None = super().alloc(need_size)
         return result
@@ -356,7 +428,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             num_new_pages = get_num_new_pages(
                 seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
             )
-        if not self._ensure_pages(num_new_pages):
+        if not self.ensure_backed(num_new_pages):
             return None
         result: torch.Tensor | None = super().alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
@@ -371,7 +443,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         if result is None:
             needed = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
-            if not self._ensure_pages(needed):
+            if not self.ensure_backed(needed):
                 return None
             result = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         return result

@@ -96,12 +96,15 @@ class ElasticBacking:
         num_blocks: int,
         config: PluginConfig,
         label: str,
+        part: str | None = None,
     ) -> ElasticBacking:
         """Reserve the spaces for ``buffers`` and build the ledger over ``num_blocks`` blocks.
 
         ``families`` say where each block lives (see :class:`BlockFamily`); block 0 is the padding
-        block SGLang writes dummy tokens to and stays backed. Raises ConfigError when the layout cannot
-        be served (e.g. a block larger than the largest logical page the config allows).
+        block SGLang writes dummy tokens to and stays backed. ``part`` names one of several pools of one
+        engine (SGLang's hybrid SWA pool has a ``full`` and an ``swa`` part): its registry name is
+        ``<ELASTIC_KV_POOL_NAME or sglang>-<part>``. Raises ConfigError when the layout cannot be served
+        (e.g. a block larger than the largest logical page the config allows).
         """
         from elastic_kv import _vmm
         from elastic_kv.ledger import KVCacheManager
@@ -129,8 +132,9 @@ class ElasticBacking:
         handles = _vmm.HandlePool(backend, pool_config.reserve_max_pages * geometry.page_bytes)
         group = _vmm.SpaceGroup(spaces, geometry.extent_tuples(), geometry.num_pages, handles)
         _, total = backend.mem_info()
+        name = pool_config.pool_name or "sglang"
         record = PoolRecord.create(
-            pool_config.pool_name or "sglang",
+            f"{name}-{part}" if part else name,
             device=_device_name(dev),
             engine="sglang",
             model=label,

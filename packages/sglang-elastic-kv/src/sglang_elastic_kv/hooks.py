@@ -7,10 +7,12 @@
 2. ``SRTPlatform.get_paged_allocator_cls`` (AFTER): the same for the paged allocator (page_size > 1,
    also inside the SWA allocator).
 3. ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (AROUND): page_size 1 builds
-   ``TokenToKVPoolAllocator`` without asking the platform; the plain allocator SGLang built (standalone or
-   as an SWA sub-allocator) is swapped for the elastic one over the same pool. Then the result is checked:
-   an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or a
-   non-elastic pool under it fails start-up with ConfigError.
+   ``TokenToKVPoolAllocator`` without asking the platform, and no platform seam names the hybrid SWA
+   allocator; the plain allocator SGLang built is swapped for the elastic one over the same pool
+   (``SWATokenToKVPoolAllocator`` for :class:`~sglang_elastic_kv.swa.ElasticSWATokenToKVPoolAllocator`,
+   built with the same arguments, whose sub-allocators are elastic at every page size). Then the result is
+   checked: an allocator kind the plugin does not serve (all-sliding pure SWA, HiSparse, page interleave,
+   DeepSeek-V4 ...) or a non-elastic pool under it fails start-up with ConfigError.
 4. ``KVCacheConfigurator.configure`` (AFTER): the configured allocator must be elastic and the layout one
    the elastic pool reproduces; a path that bypassed the seams (``--enable-unified-memory`` builds its
    pools elsewhere) or asked for the page-major layout fails start-up instead of running native.
@@ -81,58 +83,66 @@ def paged_allocator_cls_after(result: type | None, platform: Any, *args: Any, **
     return ElasticPagedTokenToKVPoolAllocator
 
 
+def is_elastic_allocator(allocator: Any) -> bool:
+    """Whether ``allocator`` is one of the plugin's (token, paged, or the SWA composite over them)."""
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
+
+    return isinstance(allocator, (ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator))
+
+
 def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
-    """Build SGLang's allocator, make its page_size-1 parts elastic, and refuse what is not served."""
+    """Build SGLang's allocator, make it elastic where SGLang built an in-tree allocator directly, and
+    refuse what is not served."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    from sglang_elastic_kv.allocators import (
-        ElasticAllocatorMixin,
-        ElasticPagedTokenToKVPoolAllocator,
-        ElasticTokenToKVPoolAllocator,
-    )
+    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
     reused = kwargs.get("token_to_kv_pool_allocator") is not None  # a draft worker shares the target's
     allocator = original(configurator, *args, **kwargs)
     if reused:
         return allocator
 
-    def elastic(sub: Any) -> Any:
-        if type(sub) is TokenToKVPoolAllocator:
-            return ElasticTokenToKVPoolAllocator(
-                sub.size, sub.dtype, sub.device, sub.get_kvcache(), sub.need_sort
-            )
-        return sub
-
-    if type(allocator) is SWATokenToKVPoolAllocator:
-        raise ConfigError(
-            "--kv-cache-backend=elastic does not serve hybrid sliding-window (SWA) models yet: SGLang's SWA "
-            "allocator budgets the scheduler with its sub-pools' logical sizes only"
+    if type(allocator) is TokenToKVPoolAllocator:
+        allocator = ElasticTokenToKVPoolAllocator(
+            allocator.size, allocator.dtype, allocator.device, allocator.get_kvcache(), allocator.need_sort
         )
-    allocator = elastic(allocator)
-    if not isinstance(allocator, ElasticAllocatorMixin):
+    elif type(allocator) is SWATokenToKVPoolAllocator:
+        # SGLang built it with plain page_size-1 sub-allocators (or elastic paged ones via the platform
+        # seam); rebuild it with the same arguments as the elastic composite, which checks its sub-pools.
+        allocator = ElasticSWATokenToKVPoolAllocator(
+            allocator.size_full,
+            allocator.size_swa,
+            allocator.page_size,
+            allocator.dtype,
+            allocator.device,
+            allocator.get_kvcache(),
+            allocator.need_sort,
+            allocator._req_to_token_pool,
+        )
+    if not is_elastic_allocator(allocator):
         raise ConfigError(
             f"--kv-cache-backend=elastic does not serve SGLang's {type(allocator).__name__} "
             f"(KV pool {type(allocator.get_kvcache()).__name__}); supported: "
             f"{ElasticTokenToKVPoolAllocator.__name__}, {ElasticPagedTokenToKVPoolAllocator.__name__} "
-            "over an MHA or MLA pool"
+            f"over an MHA or MLA pool, {ElasticSWATokenToKVPoolAllocator.__name__} over a hybrid SWA pool"
         )
-    kvcache: Any = allocator._kvcache
+    kvcache: Any = allocator.get_kvcache()
     logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(kvcache).__name__)
     return allocator
 
 
 def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs: Any) -> None:
     """Refuse a configured KV cache that is not (entirely) elastic; see the module docstring."""
-    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
-
     if configurator._page_major_enabled():
         raise ConfigError(
             "--kv-cache-backend=elastic does not serve --enable-page-major-kv-layout (the elastic pool keeps "
             "SGLang's per-layer layout)"
         )
     allocator = result.token_to_kv_pool_allocator
-    if not isinstance(allocator, ElasticAllocatorMixin):
+    if not is_elastic_allocator(allocator):
         raise ConfigError(
             f"--kv-cache-backend=elastic: SGLang configured {type(allocator).__name__} without the platform "
             "seams this plugin serves (e.g. --enable-unified-memory); use --kv-cache-backend=native"
@@ -147,11 +157,9 @@ def _kv_tags(recv_req: Any) -> bool:
 
 
 def _elastic_allocator(updater: Any) -> Any:
-    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
-
     scheduler = getattr(updater, "scheduler", None)
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
-    return allocator if isinstance(allocator, ElasticAllocatorMixin) else None
+    return allocator if is_elastic_allocator(allocator) else None
 
 
 def release_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:

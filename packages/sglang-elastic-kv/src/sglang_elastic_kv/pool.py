@@ -67,6 +67,12 @@ class ElasticKVPool:
         self.rows_per_block = rows_per_block
         return config, rows, rows_per_block
 
+    def _part(self) -> str | None:
+        # SGLang labels the sub-pools of a composite ("Full" / "SWA" in SWAKVPool); a standalone pool has
+        # no label. The label tells the registry records of one engine's pools apart.
+        label = getattr(self, "allocation_label", None)
+        return str(label).lower() if label else None
+
     def _refuse_unless_plain(self, *, what: str, checks: dict[str, bool]) -> None:
         bad = [name for name, present in checks.items() if present]
         if bad:
@@ -126,6 +132,7 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
             num_blocks=num_blocks,
             config=config,
             label=f"mha-{self.layer_num}l",
+            part=self._part(),
         )
         if k_shape == v_shape:
             padded = -(-rows // self.page_size) * self.page_size
@@ -171,6 +178,7 @@ class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
             num_blocks=num_blocks,
             config=config,
             label=f"mla-{self.layer_num}l",
+            part=self._part(),
         )
         self.kv_buffer = [
             self.elastic.view(i, 0, (rows, 1, self.kv_cache_dim), self.store_dtype)

@@ -1,0 +1,285 @@
+"""SGLang's hybrid sliding-window (SWA) allocator over two elastic pools.
+
+A hybrid SWA model (interleaved sliding-window and full-attention layers) gets SGLang's ``SWAKVPool``:
+a full-attention sub-pool and a smaller sliding-window sub-pool, both built from the platform's MHA pool
+class, so both are :class:`~sglang_elastic_kv.pool.ElasticMHATokenToKVPool` (two spaces sets, two ledgers,
+two registry records ``<name>-full`` and ``<name>-swa``). SGLang's ``SWATokenToKVPoolAllocator`` drives
+them through two sub-allocators and a full -> SWA slot table; SGLang frees a request's out-of-window
+tokens on the SWA side while it decodes (``ScheduleBatch.maybe_evict_swa`` -> ``free_swa``), so the SWA
+pool's memory stays near (window x running requests) while the full pool follows the sequences.
+
+:class:`ElasticSWATokenToKVPoolAllocator` subclasses SGLang's allocator and keeps its logic (slot table,
+free groups, SWA eviction, its kernels); what changes:
+
+* both sub-allocators are the elastic ones (page_size 1 builds ``TokenToKVPoolAllocator`` directly, and
+  page_size > 1 asks the platform seam, which a non-hooked process leaves unanswered: either way a plain
+  sub-allocator is replaced by the elastic one over the same sub-pool);
+* every allocation backs the pages of *both* sides before either side allocates (SGLang asserts that the
+  second side succeeds once the first did; a half-done allocation would leak the first side), and a side
+  that cannot back its share makes the other give back what it backed: a refused allocation takes nothing;
+* the scheduler's capacity hooks (admission budget, decode capacity and eviction) see what each side can
+  back now, not the sub-pools' logical sizes; ``full_available_size`` / ``swa_available_size`` stay logical
+  because SGLang's idle leak check balances them against the pools' sizes;
+* SGLang opens free groups on the composite, which forwards them to the full side only; the SWA side's
+  ledger gets its step housekeeping (release epoch, reserve, ``kvctl`` limit, snapshot) from here.
+
+Not served (ConfigError at start-up): the all-sliding ``PureSWATokenToKVPoolAllocator``, the per-request
+SWA ring (DeepSeek-V4-style pools) and sub-pools that are not elastic MHA pools (MLA-SWA hybrids).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from elastic_kv.errors import ConfigError
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
+from sglang.srt.utils import get_num_new_pages
+
+from sglang_elastic_kv.allocators import (
+    ElasticAllocatorMixin,
+    ElasticPagedTokenToKVPoolAllocator,
+    ElasticTokenToKVPoolAllocator,
+    room_after_eviction,
+)
+from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
+
+__all__ = ["ElasticSWAPrefillBudget", "ElasticSWATokenToKVPoolAllocator"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticSWAPrefillBudget(SWAPrefillBudget):
+    """SGLang's SWA admission budget over what each side can back now, evictable cached tokens counted
+    only up to each pool's limit (:func:`~sglang_elastic_kv.allocators.room_after_eviction`)."""
+
+    def __init__(self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> None:
+        super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+        # One budget serves one scheduling pass, during which nothing is allocated: read the limits once.
+        self._full_limit_room = allocator.full_attn_allocator.elastic_limit_room()
+        self._swa_limit_room = allocator.swa_attn_allocator.elastic_limit_room()
+
+    def _available_and_evictable(self) -> int:
+        return room_after_eviction(
+            self.allocator.elastic_full_available_size(),
+            self.tree_cache.full_evictable_size(),
+            self._full_limit_room,
+        )
+
+    @property
+    def remaining_swa(self) -> int:
+        """SWA tokens admission may still promise: backable now + evictable (within the limit) - promised."""
+        room = room_after_eviction(
+            self.allocator.elastic_swa_available_size(),
+            self.tree_cache.swa_evictable_size(),
+            self._swa_limit_room,
+        )
+        return room - int(self.swa_offset)
+
+
+class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
+    """``SWATokenToKVPoolAllocator`` whose full and SWA sub-allocators are elastic; constructed with the
+    in-tree arguments (the allocator builder hook rebuilds SGLang's instance with them)."""
+
+    full_attn_allocator: Any
+    swa_attn_allocator: Any
+
+    def __init__(
+        self,
+        size: int,
+        size_swa: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: Any,
+        need_sort: bool,
+        req_to_token_pool: Any = None,
+    ) -> None:
+        super().__init__(size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool)
+        if self._swa_req_ring:
+            raise ConfigError(
+                "--kv-cache-backend=elastic does not serve a per-request SWA ring pool "
+                f"({type(kvcache).__name__}); use --kv-cache-backend=native"
+            )
+        for part in ("full_kv_pool", "swa_kv_pool"):
+            pool = getattr(kvcache, part, None)
+            if not isinstance(pool, ElasticMHATokenToKVPool):
+                raise ConfigError(
+                    f"--kv-cache-backend=elastic serves hybrid SWA models over elastic MHA sub-pools; this "
+                    f"model's {part} is {type(pool).__name__} (MLA-SWA and other hybrids are not served)"
+                )
+        self.full_attn_allocator = self._elastic(self.full_attn_allocator, size, kvcache.full_kv_pool)
+        self.swa_attn_allocator = self._elastic(self.swa_attn_allocator, size_swa, kvcache.swa_kv_pool)
+        self.clear()  # SGLang's constructor cleared the sub-allocators it built; these start empty too
+
+    def _elastic(self, sub: Any, size: int, pool: Any) -> ElasticAllocatorMixin:
+        """``sub`` if it is elastic, else the elastic allocator of its kind over the same sub-pool."""
+        if isinstance(sub, ElasticAllocatorMixin):
+            return sub
+        if type(sub) is TokenToKVPoolAllocator:
+            return ElasticTokenToKVPoolAllocator(size, self.dtype, self.device, pool, self.need_sort)
+        if type(sub) is PagedTokenToKVPoolAllocator:
+            return ElasticPagedTokenToKVPoolAllocator(
+                size, self.page_size, self.dtype, self.device, pool, self.need_sort
+            )
+        raise ConfigError(
+            f"--kv-cache-backend=elastic: SGLang's SWA allocator built {type(sub).__name__} for a sub-pool; "
+            "only the in-tree token and paged allocators can be made elastic"
+        )
+
+    # -- physical capacity: what the scheduler's hooks see ------------------------------------------
+
+    def elastic_full_available_size(self) -> int:
+        """Full-attention slots an allocation can get now (free backed + backable under the limit)."""
+        return int(self.full_attn_allocator.elastic_available_size())
+
+    def elastic_swa_available_size(self) -> int:
+        """Sliding-window slots an allocation can get now."""
+        return int(self.swa_attn_allocator.elastic_available_size())
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> SWAPrefillBudget:
+        """Admission budget over backable headroom on both sides (:class:`ElasticSWAPrefillBudget`)."""
+        return ElasticSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
+        """Evict prefix-cache entries until ``num_tokens`` can be backed on both sides, or nothing is left.
+
+        Uses the cache's plain ``evict`` with both shortfalls: its allocation-driven variant measures them
+        against the sub-pools' logical sizes, which an elastic pool may satisfy while memory is short.
+        """
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        full_short = max(0, num_tokens - self.elastic_full_available_size())
+        swa_short = max(0, num_tokens - self.elastic_swa_available_size())
+        if full_short or swa_short:
+            tree_cache.evict(EvictParams(num_tokens=full_short, swa_num_tokens=swa_short))
+
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
+        """Whether the next decode step's ``num_tokens`` can be backed on both sides after eviction;
+        False makes SGLang retract requests (``ScheduleBatch.retract_decode``)."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return min(self.elastic_full_available_size(), self.elastic_swa_available_size()) >= num_tokens
+
+    # -- allocation: back both sides first, then SGLang's allocation ------------------------------------
+
+    def _back_both(self, full_pages: int, swa_pages: int) -> bool:
+        """Back ``full_pages`` / ``swa_pages`` pages on the two sides, or neither: when the SWA side cannot
+        back its share, the full side gives back what it backed ahead of use, so a refused allocation
+        leaves no memory held on either side (its caller returns None; SGLang defers or retracts)."""
+        if not self.full_attn_allocator.ensure_backed(full_pages):
+            self._log_short("full", self.full_attn_allocator, full_pages)
+            return False
+        if not self.swa_attn_allocator.ensure_backed(swa_pages):
+            self.full_attn_allocator.give_back_unused()
+            self._log_short("swa", self.swa_attn_allocator, swa_pages)
+            return False
+        return True
+
+    @staticmethod
+    def _log_short(part: str, sub: Any, pages: int) -> None:
+        # The scheduler's capacity hooks should have deferred or retracted first; this is the race where
+        # memory vanished between its check and the allocation (another pool, a lowered limit).
+        logger.warning(
+            "elastic KV: the %s pool cannot back %d page(s) now (%d slots backable): %s",
+            part,
+            pages,
+            sub.elastic_available_size(),
+            sub._ledger.snapshot(),
+        )
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """SGLang's page_size-1 ``alloc`` after backing ``need_size`` slots on both sides."""
+        if need_size > self.available_size() or not self._back_both(need_size, need_size):
+            return None
+        result: torch.Tensor | None = super().alloc(need_size)
+        return result
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        """SGLang's ``alloc_extend`` after backing the new pages on both sides (counted on the CPU; both
+        sides page in step, as SGLang's own call passes one count to both)."""
+        pages = get_num_new_pages(
+            seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+        )
+        if not self.new_pages_available(pages, pages) or not self._back_both(pages, pages):
+            return None
+        result: torch.Tensor | None = super().alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
+        )
+        return result
+
+    def alloc_extend_swa_tail(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        swa_tail_len: int,
+    ) -> torch.Tensor | None:
+        """SGLang's full-plus-SWA-tail allocation (PD decode side) after backing both parts."""
+        full = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
+        swa = -(-swa_tail_len // self.page_size)
+        if not self.new_pages_available(full, swa) or not self._back_both(full, swa):
+            return None
+        result: torch.Tensor | None = super().alloc_extend_swa_tail(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, swa_tail_len
+        )
+        return result
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
+        """SGLang's paged ``alloc_decode`` after backing, on both sides, a page for every request that
+        starts one (SGLang's composite would leak the full side's pages if only the SWA side failed)."""
+        pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        if not self.new_pages_available(pages, pages) or not self._back_both(pages, pages):
+            return None
+        result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        return result
+
+    # -- once per engine step; idle; sleep ---------------------------------------------------------------
+
+    def free_group_begin(self) -> None:
+        """SGLang's free group (the full side opens its own, which starts its release epoch); the SWA
+        side, which SGLang frees outside any group of its own, starts its epoch here."""
+        super().free_group_begin()
+        self.swa_attn_allocator.elastic_step_begin()
+
+    def free_group_end(self) -> None:
+        """SGLang's frees (SWA side, then the full side's group and housekeeping), then the SWA side's."""
+        super().free_group_end()
+        self.swa_attn_allocator.elastic_step_end()
+
+    def verify_byte_accounting(self) -> list[str]:
+        """SGLang's idle diagnostic on both sides, each violation prefixed with its side (see
+        :meth:`ElasticAllocatorMixin.verify_byte_accounting`)."""
+        violations: list[str] = []
+        for part, sub in (("full", self.full_attn_allocator), ("swa", self.swa_attn_allocator)):
+            violations += [f"{part}: {text}" for text in sub.verify_byte_accounting()]
+        return violations
+
+    def elastic_sleep(self) -> None:
+        """Both pools released their KV memory (``release_memory_occupation``): unmap both reserves."""
+        self.full_attn_allocator.elastic_sleep()
+        self.swa_attn_allocator.elastic_sleep()
+
+    def elastic_wake(self) -> None:
+        """Both pools map on demand again."""
+        self.full_attn_allocator.elastic_wake()
+        self.swa_attn_allocator.elastic_wake()

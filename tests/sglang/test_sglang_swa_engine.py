@@ -1,0 +1,307 @@
+"""A real SGLang CPU engine serving a hybrid sliding-window (SWA) model with ``--kv-cache-backend=elastic``:
+greedy outputs equal the native engine's token for token at page_size 1 and 16 (radix cache on, prompts
+longer than the window so SGLang frees out-of-window SWA slots and reuses them, and under a physical
+limit small enough to force retraction); both sub-pools' memory follows the load; SGLang's idle leak check
+stays on and passes. The native engine itself is checked against transformers' own model.
+
+The model is the tiny Laguna of :mod:`tests.support.sglang_models` (three sliding-window layers of window
+32 per full-attention layer). Every engine here, native or elastic, runs with the test-only CPU attention
+correction of :mod:`tests.support.sglang_cpu_fixes`. Engines run one at a time: the two native ones give
+the reference tokens and are closed, then one elastic engine per page size serves its tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from elastic_kv.registry_view import Registry
+from elastic_kv.snapshot import PoolSnapshot
+
+from tests.support.sglang_engine import EngineProcess, plugin_installed, start_engine
+from tests.support.sglang_models import SWA_ENGINE_ENV, tiny_swa_model
+
+pytestmark = pytest.mark.sglang
+
+# Small enough that the reference run wraps the SWA pool's free list (the SWA pool holds ~0.8x the full
+# pool's tokens): from then on a token's SWA slot differs from its full-attention slot, which is what the
+# CPU attention correction and the elastic allocator's slot table must get right.
+MAX_TOTAL_TOKENS = 1536
+SLOT = 64 << 10  # data-plane page size for the tests
+WINDOW = 32  # the model's sliding window
+# Prompts longer than the window; with NEW tokens each request frees out-of-window SWA slots as it goes.
+PROMPTS = [[(5 * i + 3 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((40, 75, 110))]
+NEW = 40
+# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens.
+HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
+HEAVY_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def swa_model() -> Path:
+    if not plugin_installed():
+        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+    return tiny_swa_model()
+
+
+def _start(name: str, model: Path, backend: str, page_size: int, **env: str) -> EngineProcess:
+    return start_engine(
+        name,
+        model,
+        backend=backend,
+        env={**SWA_ENGINE_ENV, **env},
+        page_size=page_size,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(swa_model: Path) -> dict[int, dict[str, list[list[int]]]]:
+    """Native outputs at page_size 1 and 16 (the plugin installed, not enabled)."""
+    out: dict[int, dict[str, list[list[int]]]] = {}
+    for ps in (1, 16):
+        with _start(f"swa-native-ps{ps}", swa_model, "native", ps) as eng:
+            out[ps] = {
+                "prompts": eng.generate(PROMPTS, max_new_tokens=NEW),
+                "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
+            }
+            log = eng.log_path.read_text()
+            assert "Traceback" not in log and "memory leak detected" not in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("registry")
+    path.chmod(0o700)
+    return path
+
+
+def _elastic(name: str, model: Path, registry_dir: Path, ps: int) -> EngineProcess:
+    return _start(
+        name,
+        model,
+        "elastic",
+        ps,
+        ELASTIC_KV_PAGE_SIZE=str(SLOT),
+        ELASTIC_KV_REGISTRY_DIR=str(registry_dir),
+        ELASTIC_KV_POOL_NAME=name,
+        ELASTIC_KV_PUBLISH_INTERVAL_S="0",
+    )
+
+
+@pytest.fixture(scope="module")
+def elastic_ps1(swa_model: Path, registry_dir: Path, reference: dict[int, Any]) -> Iterator[EngineProcess]:
+    with _elastic("swa-elastic-ps1", swa_model, registry_dir, 1) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def elastic_ps16(
+    swa_model: Path, registry_dir: Path, reference: dict[int, Any], elastic_ps1: EngineProcess
+) -> Iterator[EngineProcess]:
+    # Depends on elastic_ps1 only to order the module's engines; it closes after this one.
+    with _elastic("swa-elastic-ps16", swa_model, registry_dir, 16) as eng:
+        yield eng
+
+
+def _settled(registry_dir: Path, name: str, pred: Any, timeout_s: float = 30.0) -> PoolSnapshot:
+    """Pool ``name``'s snapshot once ``pred(snapshot)`` holds (the idle scheduler publishes on its own)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = Registry(registry_dir).pool(name).snapshot
+        if (snap is not None and pred(snap)) or time.monotonic() > deadline:
+            assert snap is not None, f"pool {name} never published a snapshot"
+            return snap
+        time.sleep(0.05)
+
+
+def _idle(registry_dir: Path, name: str) -> PoolSnapshot:
+    return _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+
+
+# -- the reference itself -----------------------------------------------------------------------------------
+
+
+def test_native_engine_matches_transformers(swa_model: Path, reference: dict[int, Any]) -> None:
+    """The corrected native engine computes the model transformers computes (greedy, same tokens): the
+    CPU attention correction is a correction, and the references below are the model's real outputs."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(swa_model, dtype=torch.float32).eval()
+    assert model.config.sliding_window == WINDOW
+    greedy = {"do_sample": False, "eos_token_id": None}
+    threads = torch.get_num_threads()
+    # One thread, as the engines run: torch's OpenMP pool spins against other work on 2 shared cores.
+    torch.set_num_threads(1)
+    try:
+        _generate_and_compare(model, greedy, reference)
+    finally:
+        torch.set_num_threads(threads)
+    # The page size changes where KV lives, not what is computed: page_size 16 gives the same tokens.
+    assert reference[16] == reference[1]
+
+
+def _generate_and_compare(model: Any, greedy: dict[str, Any], reference: dict[int, Any]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for prompt, expected in zip(PROMPTS, reference[1]["prompts"], strict=True):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, **greedy)
+            assert out[0, len(prompt) :].tolist() == expected
+        # The batch served after the first one: by then SWA slots and full slots differ.
+        out = model.generate(torch.tensor(HEAVY), max_new_tokens=HEAVY_NEW, **greedy)
+        assert out[:, len(HEAVY[0]) :].tolist() == reference[1]["heavy"]
+
+
+# -- page_size 1 --------------------------------------------------------------------------------------------
+
+
+def test_ps1_outputs_equal_native(elastic_ps1: EngineProcess, reference: dict[int, Any]) -> None:
+    assert elastic_ps1.generate(PROMPTS, max_new_tokens=NEW) == reference[1]["prompts"]
+    # Again: now with prefix-cache hits on the same prompts (radix cache on).
+    assert elastic_ps1.generate(PROMPTS, max_new_tokens=NEW) == reference[1]["prompts"]
+
+
+def test_ps1_both_pools_follow_load(
+    elastic_ps1: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    names = ("swa-elastic-ps1-full", "swa-elastic-ps1-swa")
+    elastic_ps1.call("flush_cache")
+    idle = {name: _idle(registry_dir, name) for name in names}
+    for snap in idle.values():
+        # Before a batch: the null page and the reserve, nothing in use.
+        assert snap.used_blocks == 0
+        assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
+    peak = {name: idle[name].mapped_bytes for name in names}
+    done = threading.Event()
+
+    def watch() -> None:
+        registry = Registry(registry_dir)
+        while not done.is_set():
+            for name in names:
+                snap = registry.pool(name).snapshot
+                if snap is not None:
+                    peak[name] = max(peak[name], snap.mapped_bytes)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = elastic_ps1.generate(HEAVY, max_new_tokens=HEAVY_NEW)
+    finally:
+        done.set()
+        watcher.join()
+    assert out == reference[1]["heavy"]
+    for name in names:
+        # During: 8 x 144 tokens of full-attention KV (4.5 pages); on the SWA side the 8 x 48-token
+        # prefill before out-of-window slots are freed (1.5 pages).
+        assert peak[name] >= idle[name].mapped_bytes + idle[name].page_bytes, (name, idle[name], peak[name])
+    # After: the prefix cache keeps the batch (no bound); flushing it returns both pools' memory.
+    elastic_ps1.call("flush_cache")
+    for name in names:
+        after = _idle(registry_dir, name)
+        assert after.used_blocks == 0
+        assert after.mapped_bytes <= max(
+            idle[name].mapped_bytes, (1 + after.reserve_pages) * after.page_bytes
+        )
+
+
+# -- page_size 16 -------------------------------------------------------------------------------------------
+
+
+def test_ps16_outputs_equal_native(elastic_ps16: EngineProcess, reference: dict[int, Any]) -> None:
+    assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
+    assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
+
+
+def test_ps16_lowered_limit_retracts_not_crashes(
+    elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    """kvctl lowers the full-attention pool's limit below what a running batch uses: SGLang retracts
+    requests (and re-admits them within the limit) instead of failing an allocation; same tokens."""
+    name = "swa-elastic-ps16-full"
+    elastic_ps16.call("flush_cache")
+    page_bytes = _idle(registry_dir, name).page_bytes
+    result: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: result.append(elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)), daemon=True
+    )
+    worker.start()
+    try:
+        # Once the batch holds more than two pages' worth of blocks, leave it room for three pages.
+        _settled(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
+        Registry(registry_dir).set_limit(name, 3 * page_bytes)
+        worker.join(timeout=600)
+        assert result and result[0] == reference[16]["heavy"]
+        log = elastic_ps16.log_path.read_text()
+        assert "KV cache pool is full. Retract requests." in log
+        assert "Out of memory" not in log
+        assert _settled(registry_dir, name, lambda s: s.mapped_bytes <= 3 * page_bytes).mapped_bytes <= (
+            3 * page_bytes
+        )
+    finally:
+        Registry(registry_dir).set_limit(name, 0)
+    assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
+
+
+def test_ps16_sliding_window_pool_limit_is_followed(
+    elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    """A limit on the sliding-window pool alone: SGLang's SWA admission budget and decode check see what
+    that pool can back, so the batch runs within it (admission defers, decode retracts; nothing fails)
+    and gives the same tokens."""
+    name = "swa-elastic-ps16-swa"
+    retracted_before = elastic_ps16.log_path.read_text().count("Retract requests")
+    elastic_ps16.call("flush_cache")
+    page_bytes = _idle(registry_dir, name).page_bytes
+    limit = 2 * page_bytes  # the null page and one more: ~500 SWA tokens for 8 x 48-token prompts
+    registry = Registry(registry_dir)
+    registry.set_limit(name, limit)
+    try:
+        _settled(registry_dir, name, lambda s: s.limit_bytes == limit)
+        peak = 0
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.is_set():
+                snap = registry.pool(name).snapshot
+                if snap is not None:
+                    peak = max(peak, snap.mapped_bytes)
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            out = elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)
+        finally:
+            done.set()
+            watcher.join()
+        assert out == reference[16]["heavy"]
+        assert 0 < peak <= limit
+        log = elastic_ps16.log_path.read_text()
+        assert log.count("Retract requests") > retracted_before  # the SWA side's decode check bound
+        assert "Out of memory" not in log
+    finally:
+        registry.set_limit(name, 0)
+
+
+@pytest.mark.parametrize("name", ["swa-elastic-ps1", "swa-elastic-ps16"])
+def test_idle_leak_check_ran_and_passed(
+    name: str, elastic_ps1: EngineProcess, elastic_ps16: EngineProcess, registry_dir: Path
+) -> None:
+    """SGLang's idle check (full and SWA: available + evictable == total, and the allocator's own
+    accounting via verify_byte_accounting on both sub-pools) stayed on and quiet."""
+    eng = {"swa-elastic-ps1": elastic_ps1, "swa-elastic-ps16": elastic_ps16}[name]
+    pools = {info.name for info in Registry(registry_dir).pools()}
+    assert {f"{name}-full", f"{name}-swa"} <= pools  # both sub-pools elastic, each in the registry
+    log = eng.log_path.read_text()
+    assert "memory leak detected" not in log
+    assert "Traceback" not in log
+    assert eng.call("get_server_info") is not None  # the scheduler is alive

@@ -1,0 +1,93 @@
+"""A tiny hybrid sliding-window (SWA) model that SGLang 0.5.23 serves with its SWA memory path.
+
+SGLang routes an architecture to ``SWAKVPool`` / ``SWATokenToKVPoolAllocator`` when
+``is_hybrid_swa_model`` (``srt/configs/model_config.py``) lists it. Of the listed architectures,
+``LagunaForCausalLM`` (poolside's Laguna: per-layer ``layer_types`` of sliding and full attention) is the
+one whose SGLang implementation runs on the CPU engine with ``torch_native`` attention: no attention
+sinks (GPT-OSS and Granite-SWA pass ``sinks=`` that ``TorchNativeAttnBackend`` does not take), no
+``torch.ops.sgl_kernel`` op at import (Muse Glimmer), and its MLPs may all be dense (``mlp_layer_types``),
+so no fused-MoE kernel is needed. The model here is that architecture at toy size with random weights from
+a fixed seed, built offline with transformers' own ``LagunaForCausalLM`` and cached under
+``.cache/models`` like the tiny Llama of :mod:`tests.support.models`, whose tokenizer it reuses.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tests.support.models import DEFAULT_CACHE, REPO_ROOT, tiny_model
+
+# The test-only SGLang plugin that corrects SGLang 0.5.23's CPU attention for SWA pools (see its module
+# docstring). Its directory goes on an SWA engine's PYTHONPATH, native and elastic engines alike.
+CPU_FIXES = REPO_ROOT / "tests" / "support" / "sglang_cpu_fixes"
+SWA_ENGINE_ENV = {"PYTHONPATH": str(CPU_FIXES)}
+
+
+@dataclass(frozen=True)
+class TinySWASpec:
+    """Shape of a tiny Laguna: ``layer_types`` mixes sliding-window and full attention layers."""
+
+    name: str = "tiny-laguna-swa"
+    vocab_size: int = 1024  # the tiny Llama's tokenizer
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    # Three sliding-window layers per full one (the common hybrid ratio); the window is small so that
+    # test prompts outgrow it and SGLang frees out-of-window tokens while decoding.
+    layer_types: tuple[str, ...] = field(
+        default=("sliding_attention", "sliding_attention", "sliding_attention", "full_attention")
+    )
+    sliding_window: int = 32
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+def tiny_swa_model(spec: TinySWASpec = TinySWASpec(), cache_dir: Path | None = None) -> Path:
+    """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
+    path = root / spec.name
+    done = path / ".complete"
+    if done.exists():
+        return path
+    tokenizer_dir = tiny_model(cache_dir=cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            _build(spec, path, tokenizer_dir)
+            done.write_text(json.dumps(asdict(spec)))
+    return path
+
+
+def _build(spec: TinySWASpec, path: Path, tokenizer_dir: Path) -> None:
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    layers = len(spec.layer_types)
+    cfg = transformers.LagunaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        layer_types=list(spec.layer_types),
+        mlp_layer_types=["dense"] * layers,  # no experts: SGLang's fused MoE has no CPU path here
+        sliding_window=spec.sliding_window,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["LagunaForCausalLM"],
+    )
+    torch.manual_seed(spec.seed)
+    transformers.LagunaForCausalLM(cfg).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
