@@ -50,8 +50,9 @@ class Driver:
         self._queue: deque[Any] = deque()  # scheduled steps whose output is not processed yet
         self._depth = 2 if args.async_scheduling else 1
         self.tokens = 0
-        for _ in range(args.requests):
-            self.add()
+        if not args.bursts:
+            for _ in range(args.requests):
+                self.add()
 
     def add(self) -> None:
         from vllm import SamplingParams
@@ -66,13 +67,26 @@ class Driver:
 
     def step(self) -> None:
         """Schedule one step; process the oldest step's output once ``depth`` steps are in flight."""
+        self._queue.append(self.scheduler.schedule())
+        if len(self._queue) >= self._depth:
+            self._process(self._queue.popleft())
+
+    def burst(self) -> float:
+        """Seconds to run ``--requests`` new requests to completion from idle, the last output included."""
+        for _ in range(self.args.requests):
+            self.add()
+        t0 = time.perf_counter()
+        while self.scheduler.has_unfinished_requests():
+            self.step()
+        while self._queue:  # the steps still in flight (async scheduling), as the engine core drains them
+            self._process(self._queue.popleft())
+        return time.perf_counter() - t0
+
+    def _process(self, out: Any) -> None:
+        """The fake model runner's output for the step ``out``, through ``update_from_output``."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         sched = self.scheduler
-        self._queue.append(sched.schedule())
-        if len(self._queue) < self._depth:
-            return
-        out = self._queue.popleft()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -220,6 +234,30 @@ def _print_profile_difference(profilers: dict[str, Any], steps: int) -> None:
         )
 
 
+def _bursts(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
+    """The GPU script's pattern: bursts from idle, native and elastic alternating; prints per-burst times."""
+    times: dict[str, list[float]] = {name: [] for name in drivers}
+    for i in range(args.bursts + 1):  # the first pair warms up
+        order = list(drivers.items())
+        for name, d in order if i % 2 else reversed(order):
+            gc.collect()
+            took = d.burst()
+            if i:
+                times[name].append(took)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        json.dumps(
+            {
+                "bursts": args.bursts,
+                "requests": args.requests,
+                "page_size": args.page_size,
+                "burst_ms": {k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
+                "ratio_of_medians": round(med["elastic"] / med["native"], 4),
+            }
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -231,6 +269,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=40, help="untimed steps first (the prefills)")
     parser.add_argument("--slice", type=int, default=10, help="steps per alternating slice")
     parser.add_argument("--churn", action="store_true", help="replace finished requests (steady state)")
+    parser.add_argument(
+        "--bursts", type=int, default=0, help="instead of steps: N bursts from idle, alternating"
+    )
     parser.add_argument("--async", dest="async_scheduling", action="store_true", help="async scheduling")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile both sides; print the functions that differ most"
@@ -249,6 +290,9 @@ def main() -> None:
     elastic, worker = _scheduler(args, elastic=not args.calibrate)
     hasher = get_request_block_hasher(BLOCK, sha256)
     drivers = {"native": Driver(native, args, hasher), "elastic": Driver(elastic, args, hasher)}
+    if args.bursts:
+        _bursts(drivers, args)
+        return
     for _ in range(args.warmup):
         for d in drivers.values():
             d.step()
