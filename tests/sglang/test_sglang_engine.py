@@ -17,9 +17,13 @@ from typing import Any
 import psutil
 import pytest
 from elastic_kv.registry_view import Registry
-from elastic_kv.snapshot import PoolSnapshot
 
-from tests.support.sglang_engine import EngineProcess, start_engine
+from tests.support.sglang_engine import (
+    EngineProcess,
+    generate_under_lowered_limit,
+    settled_snapshot,
+    start_engine,
+)
 
 pytestmark = pytest.mark.sglang
 
@@ -102,26 +106,6 @@ def elastic_ps16(
         yield eng
 
 
-def _snapshot(registry_dir: Path, name: str, *, timeout_s: float = 30.0) -> PoolSnapshot:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = Registry(registry_dir).pool(name).snapshot
-        if snap is not None or time.monotonic() > deadline:
-            assert snap is not None, f"pool {name} never published a snapshot"
-            return snap
-        time.sleep(0.05)
-
-
-def _settled(registry_dir: Path, name: str, pred: Any, timeout_s: float = 30.0) -> PoolSnapshot:
-    """The pool's snapshot once ``pred(snapshot)`` holds (the idle scheduler publishes on its own)."""
-    deadline = time.monotonic() + timeout_s
-    snap = _snapshot(registry_dir, name)
-    while not pred(snap) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        snap = _snapshot(registry_dir, name)
-    return snap
-
-
 def _scheduler_rss(eng: EngineProcess) -> int:
     procs = [psutil.Process(pid) for pid in eng.call("__children__")]
     return max(p.memory_info().rss for p in procs if p.is_running())
@@ -137,7 +121,7 @@ def test_installed_but_not_enabled_changes_nothing(reference: dict[Any, Any]) ->
 def test_ps1_pool_is_elastic_and_starts_small(elastic_ps1: EngineProcess, registry_dir: Path) -> None:
     info = Registry(registry_dir).pool("elastic-ps1")
     assert info.engine == "sglang"
-    snap = _snapshot(registry_dir, "elastic-ps1")
+    snap = settled_snapshot(registry_dir, "elastic-ps1")
     assert snap.used_blocks == 0
     # Only the null page and the reserve are backed: far below the 64 MiB a native pool holds.
     assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
@@ -155,7 +139,7 @@ def test_ps1_memory_follows_load(
 ) -> None:
     name = "elastic-ps1"
     elastic_ps1.call("flush_cache")
-    idle = _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+    idle = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
     peak: list[int] = [idle.mapped_bytes]
     done = threading.Event()
 
@@ -178,7 +162,7 @@ def test_ps1_memory_follows_load(
     assert max(peak) >= idle.mapped_bytes + (1 << 20), (idle, max(peak))
     # The prefix cache keeps the batch (no bound here); flushing it returns the memory.
     elastic_ps1.call("flush_cache")
-    after = _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+    after = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
     assert after.used_blocks == 0
     assert after.mapped_bytes <= idle.mapped_bytes
 
@@ -187,11 +171,11 @@ def test_ps1_flush_and_release_return_memory(elastic_ps1: EngineProcess, registr
     name = "elastic-ps1"
     elastic_ps1.generate(SMALL, max_new_tokens=24)
     elastic_ps1.call("flush_cache")
-    snap = _settled(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    snap = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
     assert snap.used_blocks == 0
     elastic_ps1.generate(SMALL, max_new_tokens=24)
     elastic_ps1.call("release_memory_occupation", tags=["kv_cache"])
-    snap = _settled(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    snap = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
     assert snap.used_blocks == 0 and snap.reserve_pages == 0
     assert snap.mapped_bytes <= snap.page_bytes  # the null page only
     elastic_ps1.call("resume_memory_occupation", tags=["kv_cache"])
@@ -210,7 +194,7 @@ def test_ps16_radix_bound(elastic_ps16: EngineProcess, registry_dir: Path, refer
     """After each request, the prefix cache keeps at most BOUND tokens: the rest is evicted through
     SGLang's own cache (UnifiedRadixCache, the engine default) and its pages return to the ledger."""
     assert elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW) == reference[16]["heavy"]
-    snap = _settled(registry_dir, "elastic-ps16", lambda s: s.used_blocks * 16 <= BOUND)
+    snap = settled_snapshot(registry_dir, "elastic-ps16", lambda s: s.used_blocks * 16 <= BOUND)
     assert snap.used_blocks * 16 <= BOUND, snap
 
 
@@ -232,29 +216,8 @@ def test_ps16_lowered_limit_retracts_not_crashes(
 ) -> None:
     """kvctl lowers the pool's limit below what a running batch uses: SGLang retracts requests (and later
     re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones."""
-    name = "elastic-ps16"
-    elastic_ps16.call("flush_cache")
-    page_bytes = _settled(registry_dir, name, lambda s: s.used_blocks == 0).page_bytes
-    result: list[Any] = []
-    worker = threading.Thread(
-        target=lambda: result.append(elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)), daemon=True
-    )
-    worker.start()
-    try:
-        # Once the batch holds more than two pages' worth of blocks, leave it room for two pages.
-        _settled(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
-        Registry(registry_dir).set_limit(name, 3 * page_bytes)
-        worker.join(timeout=600)
-        assert result and result[0] == reference[16]["heavy"]
-        log = elastic_ps16.log_path.read_text()
-        assert "KV cache pool is full. Retract requests." in log
-        assert "Out of memory" not in log
-        assert (
-            _settled(registry_dir, name, lambda s: s.mapped_bytes <= 3 * page_bytes).mapped_bytes
-            <= 3 * page_bytes
-        )
-    finally:
-        Registry(registry_dir).set_limit(name, 0)
+    heavy = generate_under_lowered_limit(elastic_ps16, registry_dir, "elastic-ps16", HEAVY, HEAVY_NEW)
+    assert heavy == reference[16]["heavy"]
     assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
 
 

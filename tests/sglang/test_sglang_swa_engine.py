@@ -22,7 +22,13 @@ import pytest
 from elastic_kv.registry_view import Registry
 from elastic_kv.snapshot import PoolSnapshot
 
-from tests.support.sglang_engine import EngineProcess, plugin_installed, start_engine
+from tests.support.sglang_engine import (
+    EngineProcess,
+    generate_under_lowered_limit,
+    plugin_installed,
+    settled_snapshot,
+    start_engine,
+)
 from tests.support.sglang_models import SWA_ENGINE_ENV, tiny_swa_model
 
 pytestmark = pytest.mark.sglang
@@ -109,19 +115,8 @@ def elastic_ps16(
         yield eng
 
 
-def _settled(registry_dir: Path, name: str, pred: Any, timeout_s: float = 30.0) -> PoolSnapshot:
-    """Pool ``name``'s snapshot once ``pred(snapshot)`` holds (the idle scheduler publishes on its own)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = Registry(registry_dir).pool(name).snapshot
-        if (snap is not None and pred(snap)) or time.monotonic() > deadline:
-            assert snap is not None, f"pool {name} never published a snapshot"
-            return snap
-        time.sleep(0.05)
-
-
 def _idle(registry_dir: Path, name: str) -> PoolSnapshot:
-    return _settled(registry_dir, name, lambda s: s.used_blocks == 0)
+    return settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
 
 
 # -- the reference itself -----------------------------------------------------------------------------------
@@ -226,27 +221,8 @@ def test_ps16_lowered_limit_retracts_not_crashes(
     """kvctl lowers the full-attention pool's limit below what a running batch uses: SGLang retracts
     requests (and re-admits them within the limit) instead of failing an allocation; same tokens."""
     name = "swa-elastic-ps16-full"
-    elastic_ps16.call("flush_cache")
-    page_bytes = _idle(registry_dir, name).page_bytes
-    result: list[Any] = []
-    worker = threading.Thread(
-        target=lambda: result.append(elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)), daemon=True
-    )
-    worker.start()
-    try:
-        # Once the batch holds more than two pages' worth of blocks, leave it room for three pages.
-        _settled(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
-        Registry(registry_dir).set_limit(name, 3 * page_bytes)
-        worker.join(timeout=600)
-        assert result and result[0] == reference[16]["heavy"]
-        log = elastic_ps16.log_path.read_text()
-        assert "KV cache pool is full. Retract requests." in log
-        assert "Out of memory" not in log
-        assert _settled(registry_dir, name, lambda s: s.mapped_bytes <= 3 * page_bytes).mapped_bytes <= (
-            3 * page_bytes
-        )
-    finally:
-        Registry(registry_dir).set_limit(name, 0)
+    heavy = generate_under_lowered_limit(elastic_ps16, registry_dir, name, HEAVY, HEAVY_NEW)
+    assert heavy == reference[16]["heavy"]
     assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
 
 
@@ -264,7 +240,7 @@ def test_ps16_sliding_window_pool_limit_is_followed(
     registry = Registry(registry_dir)
     registry.set_limit(name, limit)
     try:
-        _settled(registry_dir, name, lambda s: s.limit_bytes == limit)
+        settled_snapshot(registry_dir, name, lambda s: s.limit_bytes == limit)
         peak = 0
         done = threading.Event()
 

@@ -14,11 +14,16 @@ import importlib.metadata
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from elastic_kv.registry_view import Registry
+from elastic_kv.snapshot import PoolSnapshot
 
 from tests.support.models import REPO_ROOT
 
@@ -182,3 +187,50 @@ def start_engine(
     kwargs = {**CPU_ENGINE_KWARGS, "max_total_tokens": 4096, **engine_kwargs}
     full_env = {"ELASTIC_KV_SGLANG_BACKEND": backend, **(env or {})}
     return EngineProcess(model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log")
+
+
+def settled_snapshot(
+    registry_dir: Path,
+    name: str,
+    pred: Callable[[PoolSnapshot], bool] = lambda s: True,
+    timeout_s: float = 30.0,
+) -> PoolSnapshot:
+    """Pool ``name``'s published snapshot once ``pred(snapshot)`` holds, or the last one after ``timeout_s``
+    (an idle scheduler publishes on its own); fails if the pool never published one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = Registry(registry_dir).pool(name).snapshot
+        if (snap is not None and pred(snap)) or time.monotonic() > deadline:
+            assert snap is not None, f"pool {name} never published a snapshot"
+            return snap
+        time.sleep(0.05)
+
+
+def generate_under_lowered_limit(
+    engine: EngineProcess, registry_dir: Path, name: str, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Start ``prompts`` on ``engine``; once the batch holds more than two pages' worth of blocks of pool
+    ``name``, lower that pool's limit (as ``kvctl limit`` does) to three pages. Returns the outputs after
+    checking that SGLang retracted requests instead of failing an allocation and that the pool came back
+    within the limit; the limit is lifted again in any case."""
+    engine.call("flush_cache")
+    page_bytes = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0).page_bytes
+    limit = 3 * page_bytes
+    result: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: result.append(engine.generate(prompts, max_new_tokens=max_new_tokens)), daemon=True
+    )
+    worker.start()
+    try:
+        settled_snapshot(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
+        Registry(registry_dir).set_limit(name, limit)
+        worker.join(timeout=600)
+        assert result, "the batch did not finish"
+        log = engine.log_path.read_text()
+        assert "KV cache pool is full. Retract requests." in log
+        assert "Out of memory" not in log
+        assert settled_snapshot(registry_dir, name, lambda s: s.mapped_bytes <= limit).mapped_bytes <= limit
+    finally:
+        Registry(registry_dir).set_limit(name, 0)
+    outputs: list[list[int]] = result[0]
+    return outputs
