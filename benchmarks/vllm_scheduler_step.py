@@ -210,8 +210,8 @@ def _mean_ci(values: list[float]) -> list[float]:
     return [round(mean, 4), round(half, 4)]
 
 
-def _print_profile_difference(profilers: dict[str, Any], steps: int) -> None:
-    """Per function: calls and own time per step on each side, the largest differences first."""
+def _print_profile_difference(profilers: dict[str, Any], steps: int, unit: str = "step") -> None:
+    """Per function: calls and own time per ``unit`` on each side, the largest differences first."""
     import pstats
 
     own: dict[str, dict[Any, tuple[int, float]]] = {}
@@ -225,7 +225,8 @@ def _print_profile_difference(profilers: dict[str, Any], steps: int) -> None:
         e_calls, e_time = own["elastic"].get(func, (0, 0.0))
         rows.append((e_time - n_time, func, n_calls, n_time, e_calls, e_time))
     rows.sort(key=lambda r: -abs(r[0]))
-    print(f"{'own us/step: native':>22} {'elastic':>9} {'calls/step: native':>20} {'elastic':>9}  function")
+    own_col, calls_col = f"own us/{unit}: native", f"calls/{unit}: native"
+    print(f"{own_col:>22} {'elastic':>9} {calls_col:>20} {'elastic':>9}  function")
     for _diff, func, n_calls, n_time, e_calls, e_time in rows[:30]:
         where = f"{Path(func[0]).name}:{func[1]}({func[2]})"
         print(
@@ -236,12 +237,20 @@ def _print_profile_difference(profilers: dict[str, Any], steps: int) -> None:
 
 def _bursts(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
     """The GPU script's pattern: bursts from idle, native and elastic alternating; prints per-burst times."""
+    import cProfile
+
     times: dict[str, list[float]] = {name: [] for name in drivers}
+    profilers = {name: cProfile.Profile() for name in drivers} if args.profile else {}
     for i in range(args.bursts + 1):  # the first pair warms up
         order = list(drivers.items())
         for name, d in order if i % 2 else reversed(order):
             gc.collect()
+            prof = profilers.get(name) if i else None
+            if prof is not None:
+                prof.enable()
             took = d.burst()
+            if prof is not None:
+                prof.disable()
             if i:
                 times[name].append(took)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -256,6 +265,8 @@ def _bursts(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
             }
         )
     )
+    if profilers:
+        _print_profile_difference(profilers, args.bursts, unit="burst")
 
 
 def main() -> None:

@@ -41,7 +41,9 @@ class PageBacking(PageBook):
     def __init__(self, geometry: BlockGeometry, mapper: PageMapper, phys: PhysicalAccount, name: str) -> None:
         super().__init__(geometry)
         self._mapper = mapper
-        self._async = isinstance(mapper, AsyncPageMapper)
+        # Checked once: isinstance against a runtime-checkable Protocol inspects the class every time.
+        self._async_mapper: AsyncPageMapper | None = mapper if isinstance(mapper, AsyncPageMapper) else None
+        self._async = self._async_mapper is not None
         self._phys = phys
         self._name = name
         self._broken: str | None = None
@@ -145,8 +147,8 @@ class PageBacking(PageBook):
                 pages.append(page)
                 want -= 1
             if pages:
-                assert isinstance(self._mapper, AsyncPageMapper)
-                job = self._mapper.map_async(pages)
+                assert self._async_mapper is not None
+                job = self._async_mapper.map_async(pages)
                 self._inflight[job] = pages
         except BaseException:
             # the record refused unexpectedly, or the data plane did not queue the job: nothing was queued
@@ -173,8 +175,8 @@ class PageBacking(PageBook):
     def _collect(self, wait: bool = False) -> None:
         """Take in the background maps that finished (all of them, with ``wait``): mapped pages join the
         reserve, failed ones return to the unmapped pages with their charge."""
-        assert isinstance(self._mapper, AsyncPageMapper)
-        for job, pages, error in self._mapper.collect(wait):
+        assert self._async_mapper is not None
+        for job, pages, error in self._async_mapper.collect(wait):
             mine = self._inflight.pop(job, None)
             if mine is None or sorted(mine) != sorted(pages):
                 self._fail(f"data plane reported map job {job} ({pages}) that the ledger did not queue")
