@@ -70,6 +70,12 @@ class PageBook:
         """Whether ``block`` is issued (the null block is always live)."""
         return bool(self._live[block])
 
+    def live_blocks_on(self, page: int) -> int:
+        """Issued blocks of ``page`` (the null block counts); O(1), from the page's free list."""
+        if self._page_state[page] in (UNMAPPED, INFLIGHT):
+            return 0
+        return self._cap(page) - len(self._page_free[page])
+
     def mapped_pages(self) -> list[int]:
         """Pages the ledger holds backed (used, reserve, pending), ascending."""
         st = self._page_state
@@ -228,6 +234,8 @@ class PageBook:
         for p in range(self._npages):
             blocks = self._geo.blocks_of(p)
             st = state[p]
+            assert self._cap(p) == len(blocks), f"page {p}: capacity"
+            assert self.live_blocks_on(p) == sum(1 for b in blocks if live[b]), f"page {p}: live count"
             if st in (UNMAPPED, INFLIGHT):
                 assert not free_lists[p], f"page {p} ({_STATE_NAMES[st]}) has a free list"
                 assert not any(live[b] for b in blocks), f"live block on {_STATE_NAMES[st]} page {p}"

@@ -262,11 +262,7 @@ class ElasticBlockPool(BlockPool):
         by_page: dict[int, list[KVCacheBlock]] = {}
         for block in self.free_block_queue.get_all_free_blocks():  # least recently used first
             by_page.setdefault(geo.page_of(block.block_id), []).append(block)
-        whole = [
-            page
-            for page, cached in by_page.items()
-            if len(cached) == sum(1 for b in geo.blocks_of(page) if ledger.is_live(b))
-        ]
+        whole = [page for page, cached in by_page.items() if len(cached) == ledger.live_blocks_on(page)]
         victims = whole[: max(0, len(whole) - keep_pages)]
         freed: list[KVCacheBlock] = []
         for page in victims:
