@@ -14,21 +14,14 @@ from typing import Any
 WORKER = Path(__file__).with_name("pool_worker.py")
 
 
-class PoolProcess:
-    """A `pool_worker.py` process owning one pool record; `send` a command, get its JSON reply."""
+class JsonLineProcess:
+    """A worker script driven over a pipe: one command line in, one JSON reply line out."""
 
-    def __init__(self, env: dict[str, str], name: str, **options: Any) -> None:
-        argv = [sys.executable, str(WORKER), "--name", name]
-        for key, value in options.items():
-            argv += [f"--{key}", str(value)]
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        ready = self.read_reply()
-        assert ready.get("ready"), ready
-        self.name: str = ready["name"]
-        self.pid: int = ready["pid"]
-        self.path = Path(ready["path"])
+        self._label = Path(argv[1]).stem
 
     def read_reply(self) -> dict[str, Any]:
         """The next JSON line the worker wrote (blocks until there is one)."""
@@ -36,7 +29,7 @@ class PoolProcess:
         line = self.proc.stdout.readline()
         if not line:
             assert self.proc.stderr is not None
-            raise AssertionError(f"pool worker died: {self.proc.wait()} {self.proc.stderr.read()}")
+            raise AssertionError(f"{self._label} died: {self.proc.wait()} {self.proc.stderr.read()}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 
@@ -46,6 +39,21 @@ class PoolProcess:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self.read_reply()
+
+
+class PoolProcess(JsonLineProcess):
+    """A `pool_worker.py` process owning one pool record; `send` a command, get its JSON reply."""
+
+    def __init__(self, env: dict[str, str], name: str, **options: Any) -> None:
+        argv = [sys.executable, str(WORKER), "--name", name]
+        for key, value in options.items():
+            argv += [f"--{key}", str(value)]
+        super().__init__(argv, env)
+        ready = self.read_reply()
+        assert ready.get("ready"), ready
+        self.name: str = ready["name"]
+        self.pid: int = ready["pid"]
+        self.path = Path(ready["path"])
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` and reap the process."""

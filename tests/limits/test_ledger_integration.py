@@ -6,7 +6,6 @@ match what it charged: the budget bounds real memory, not only numbers.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -17,38 +16,21 @@ from typing import Any
 import pytest
 from elastic_kv.registry_view import Registry
 
+from limits.helpers import JsonLineProcess
+
 _vmm = pytest.importorskip("elastic_kv._vmm", reason="the data plane is not built (pip install packages/...)")
 
 WORKER = Path(__file__).with_name("ledger_worker.py")
 PAGE = 64 << 10
 
 
-class LedgerProcess:
+class LedgerProcess(JsonLineProcess):
+    """A `ledger_worker.py` process: one ledger over the host data plane, with a pool record."""
+
     def __init__(self, env: dict[str, str], name: str, limit: int = 0) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "--name", name, "--limit", str(limit)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        ready = self.read()
+        super().__init__([sys.executable, str(WORKER), "--name", name, "--limit", str(limit)], env)
+        ready = self.read_reply()
         assert ready["page_bytes"] == PAGE
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"ledger worker died: {self.proc.wait()} {self.proc.stderr.read()}")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def send(self, command: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self.read()
 
 
 @pytest.fixture

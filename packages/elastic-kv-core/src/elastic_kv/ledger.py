@@ -106,7 +106,6 @@ class KVCacheManager(PageBacking):
         self._hits = 0
         self._misses = 0
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
-        self._headroom_blocks = 0  # see _recount_headroom (counted once the null page is backed)
 
         self._null = null_block
         if null_block is not None:
@@ -122,7 +121,6 @@ class KVCacheManager(PageBacking):
             self._free_backed = len(self._page_free[page])
             self._rebucket(page)
         self._phys.refresh(force=True)
-        self._recount_headroom()
 
     # -- queries ----------------------------------------------------------------------------------------
 
@@ -170,28 +168,17 @@ class KVCacheManager(PageBacking):
         """Blocks an ``alloc`` could get now: free blocks on backed pages plus pages in flight, plus as many
         unbacked pages as the physical headroom (limit, shared record, driver free memory) can back.
 
-        O(1), no driver or shared-memory access: two integer reads (engines call it once per scheduled
-        request). A hint, like vLLM's ``get_num_free_blocks``: another pool may take the GPU-wide budget
-        first, so ``alloc`` may still answer ``None``.
+        O(1), no driver or shared-memory access. A hint, like vLLM's ``get_num_free_blocks``: another pool
+        may take the GPU-wide budget first, so ``alloc`` may still answer ``None``.
         """
-        return self._free_backed + self._headroom_blocks
-
-    def _recount_headroom(self) -> None:
-        """Recompute what ``available_size`` adds to the free backed blocks: pages in flight, and the unbacked
-        pages the physical headroom can back.
-
-        Its inputs -- pages in flight, unbacked blocks, the charge, the limit and the outside headroom
-        last read -- change only when pages are mapped, unmapped, queued or collected, or in ``maintain`` /
-        ``resize``, never on the allocation fast path or on a free that empties no page. Every method that
-        can change them recounts before it returns (also when it raises), so the hot paths read one cached
-        int; ``check_invariants`` verifies it against this computation."""
-        self._headroom_blocks = self._headroom()
-
-    def _headroom(self) -> int:
+        room = self._phys.room()
         page_bytes = self._geo.page_bytes
-        pages = self._phys.room() // page_bytes if page_bytes else 0
-        bpp = self._bpp
-        return self._inflight_pages * bpp + min(self._unmapped_blocks, pages * bpp)
+        pages = room // page_bytes if page_bytes else 0
+        return (
+            self._free_backed
+            + self._inflight_pages * self._bpp
+            + min(self._unmapped_blocks, pages * self._bpp)
+        )
 
     # -- allocation -------------------------------------------------------------------------------------
 
@@ -243,23 +230,20 @@ class KVCacheManager(PageBacking):
         grow if the backed pages are still short, then take. Empty pages that were backed before the call
         (reserve, pending, background maps already done) count as reserve hits; pages this call had to
         wait for or map count as misses."""
-        try:
-            if n > self._free_backed and self._inflight:
-                self._take_in()
-            ready = len(self._reserve) + len(self._pending_epoch)
-            if n > self._free_backed and not self._grow(n):
-                return None
-            out, acquired = self._take_blocks(n)
-            if acquired:
-                missed = max(0, acquired - ready)
-                self._misses += missed
-                self._hits += acquired - missed
-                self._policy.note_acquired(acquired)
-                if self._async and self._cfg.premap:
-                    self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
-            return out
-        finally:
-            self._recount_headroom()
+        if n > self._free_backed and self._inflight:
+            self._take_in()
+        ready = len(self._reserve) + len(self._pending_epoch)
+        if n > self._free_backed and not self._grow(n):
+            return None
+        out, acquired = self._take_blocks(n)
+        if acquired:
+            missed = max(0, acquired - ready)
+            self._misses += missed
+            self._hits += acquired - missed
+            self._policy.note_acquired(acquired)
+            if self._async and self._cfg.premap:
+                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
+        return out
 
     def _grow(self, n: int) -> bool:
         """Make ``_free_backed >= n``: wait for background maps still running (they are needed now, and a
@@ -350,10 +334,7 @@ class KVCacheManager(PageBacking):
             else:
                 unmap.append(p)
         if unmap:
-            try:
-                self._unmap_now(unmap)
-            finally:
-                self._recount_headroom()
+            self._unmap_now(unmap)
 
     # -- epochs -----------------------------------------------------------------------------------------
 
@@ -392,26 +373,23 @@ class KVCacheManager(PageBacking):
         """
         if get_ident() != self._owner:
             self._refuse()
-        try:
-            if self._inflight:
-                self._take_in()
-            events = self._phys.poll()
-            if events is not None:
-                if events.limit_changed:  # the pool limit or the GPU-wide budget
-                    self._apply_limit(self._phys.record_limit())
-                if events.trim_requested:
-                    self._trim_reserve(0)
-            self._phys.refresh(force=events is not None and events.limit_changed)
-            target = 0 if self._phys.over_limit() else self._policy.end_interval()
-            if len(self._reserve) > target:
-                self._trim_reserve(target)
-            elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
-                if self._async:
-                    self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
-                else:
-                    self._refill_sync(target - len(self._reserve))
-        finally:
-            self._recount_headroom()
+        if self._inflight:
+            self._take_in()
+        events = self._phys.poll()
+        if events is not None:
+            if events.limit_changed:  # the pool limit or the GPU-wide budget
+                self._apply_limit(self._phys.record_limit())
+            if events.trim_requested:
+                self._trim_reserve(0)
+        self._phys.refresh(force=events is not None and events.limit_changed)
+        target = 0 if self._phys.over_limit() else self._policy.end_interval()
+        if len(self._reserve) > target:
+            self._trim_reserve(target)
+        elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+            if self._async:
+                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
+            else:
+                self._refill_sync(target - len(self._reserve))
         self._phys.publish(self._snapshot)
 
     def _take_in(self, wait: bool = False) -> None:
@@ -429,10 +407,7 @@ class KVCacheManager(PageBacking):
         if get_ident() != self._owner:
             self._refuse()
         if self._inflight:
-            try:
-                self._take_in(wait=True)
-            finally:
-                self._recount_headroom()
+            self._take_in(wait=True)
 
     # -- limits -----------------------------------------------------------------------------------------
 
@@ -444,10 +419,7 @@ class KVCacheManager(PageBacking):
             raise ValueError(f"limit_bytes={limit_bytes} must be >= 0 (0 = no limit)")
         if get_ident() != self._owner:
             self._refuse()
-        try:
-            self._apply_limit(limit_bytes)
-        finally:
-            self._recount_headroom()
+        self._apply_limit(limit_bytes)
 
     def _apply_limit(self, limit_bytes: int) -> None:
         self._phys.limit = limit_bytes
@@ -469,10 +441,7 @@ class KVCacheManager(PageBacking):
             return 0
         pages = self._reserve[:excess]  # the oldest reserve pages go first
         del self._reserve[:excess]
-        try:
-            self._unmap_now(pages)
-        finally:
-            self._recount_headroom()
+        self._unmap_now(pages)
         return len(pages)
 
     def clear(self) -> None:
@@ -494,24 +463,13 @@ class KVCacheManager(PageBacking):
         if self._closed:
             return
         if self._broken is None:
-            try:
-                if self._inflight:
-                    self._take_in(wait=True)
-                backed = self.mapped_pages()
-                if backed:
-                    self._unmap_now(backed, closing=True)
-            finally:
-                self._recount_headroom()
+            if self._inflight:
+                self._take_in(wait=True)
+            backed = self.mapped_pages()
+            if backed:
+                self._unmap_now(backed, closing=True)
         self._closed = True
         self._owner = -1
-
-    def check_invariants(self) -> None:
-        """The bookkeeping's invariants (:meth:`PageBook.check_invariants`), and that the cached headroom
-        ``available_size`` reads equals its computation from the current state. O(blocks + pages): for
-        tests, soaks and debugging, never on an engine's path."""
-        super().check_invariants()
-        cached, computed = self._headroom_blocks, self._headroom()
-        assert cached == computed, f"cached headroom {cached} blocks != {computed} recomputed"
 
     # -- snapshot ---------------------------------------------------------------------------------------
 
