@@ -8,7 +8,6 @@ then one elastic engine per page size serves every test of its page size.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from elastic_kv.registry_view import Registry
 from tests.support.sglang_engine import (
     EngineProcess,
     generate_under_lowered_limit,
+    generate_watching_peaks,
     settled_snapshot,
     start_engine,
 )
@@ -140,26 +140,11 @@ def test_ps1_memory_follows_load(
     name = "elastic-ps1"
     elastic_ps1.call("flush_cache")
     idle = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
-    peak: list[int] = [idle.mapped_bytes]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            snap = Registry(registry_dir).pool(name).snapshot
-            if snap is not None:
-                peak.append(snap.mapped_bytes)
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        out = elastic_ps1.generate(HEAVY, max_new_tokens=HEAVY_NEW)
-    finally:
-        done.set()
-        watcher.join()
+    out, peaks = generate_watching_peaks(elastic_ps1, registry_dir, (name,), HEAVY, HEAVY_NEW)
+    peak = max(peaks[name], idle.mapped_bytes)
     assert out == reference[1]["heavy"]
     # 8 x 144 tokens x 2 layers x (K + V) x 256 B = 1.1 MiB of live KV at the peak.
-    assert max(peak) >= idle.mapped_bytes + (1 << 20), (idle, max(peak))
+    assert peak >= idle.mapped_bytes + (1 << 20), (idle, peak)
     # The prefix cache keeps the batch (no bound here); flushing it returns the memory.
     elastic_ps1.call("flush_cache")
     after = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)

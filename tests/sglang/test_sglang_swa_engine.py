@@ -12,8 +12,6 @@ the reference tokens and are closed, then one elastic engine per page size serve
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from elastic_kv.snapshot import PoolSnapshot
 from tests.support.sglang_engine import (
     EngineProcess,
     generate_under_lowered_limit,
+    generate_watching_peaks,
     plugin_installed,
     settled_snapshot,
     start_engine,
@@ -173,25 +172,8 @@ def test_ps1_both_pools_follow_load(
         # Before a batch: the null page and the reserve, nothing in use.
         assert snap.used_blocks == 0
         assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
-    peak = {name: idle[name].mapped_bytes for name in names}
-    done = threading.Event()
-
-    def watch() -> None:
-        registry = Registry(registry_dir)
-        while not done.is_set():
-            for name in names:
-                snap = registry.pool(name).snapshot
-                if snap is not None:
-                    peak[name] = max(peak[name], snap.mapped_bytes)
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        out = elastic_ps1.generate(HEAVY, max_new_tokens=HEAVY_NEW)
-    finally:
-        done.set()
-        watcher.join()
+    out, peaks = generate_watching_peaks(elastic_ps1, registry_dir, names, HEAVY, HEAVY_NEW)
+    peak = {name: max(peaks[name], idle[name].mapped_bytes) for name in names}
     assert out == reference[1]["heavy"]
     for name in names:
         # During: 8 x 144 tokens of full-attention KV (4.5 pages); on the SWA side the 8 x 48-token
@@ -241,24 +223,8 @@ def test_ps16_sliding_window_pool_limit_is_followed(
     registry.set_limit(name, limit)
     try:
         settled_snapshot(registry_dir, name, lambda s: s.limit_bytes == limit)
-        peak = 0
-        done = threading.Event()
-
-        def watch() -> None:
-            nonlocal peak
-            while not done.is_set():
-                snap = registry.pool(name).snapshot
-                if snap is not None:
-                    peak = max(peak, snap.mapped_bytes)
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            out = elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW)
-        finally:
-            done.set()
-            watcher.join()
+        out, peaks = generate_watching_peaks(elastic_ps16, registry_dir, (name,), HEAVY, HEAVY_NEW)
+        peak = peaks[name]
         assert out == reference[16]["heavy"]
         assert 0 < peak <= limit
         log = elastic_ps16.log_path.read_text()

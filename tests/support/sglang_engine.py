@@ -234,3 +234,34 @@ def generate_under_lowered_limit(
         Registry(registry_dir).set_limit(name, 0)
     outputs: list[list[int]] = result[0]
     return outputs
+
+
+def generate_watching_peaks(
+    engine: EngineProcess,
+    registry_dir: Path,
+    names: tuple[str, ...],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+) -> tuple[list[list[int]], dict[str, int]]:
+    """``engine.generate(prompts)`` while sampling the published ``mapped_bytes`` of pools ``names`` every
+    10 ms; returns the outputs and each pool's peak (0 for a pool that published nothing meanwhile)."""
+    registry = Registry(registry_dir)
+    peak = dict.fromkeys(names, 0)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for name in names:
+                snap = registry.pool(name).snapshot
+                if snap is not None:
+                    peak[name] = max(peak[name], snap.mapped_bytes)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = engine.generate(prompts, max_new_tokens=max_new_tokens)
+    finally:
+        done.set()
+        watcher.join()
+    return out, peak
