@@ -182,6 +182,12 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             return False
         return True
 
+    def _prepare(self, full_pages: int, swa_pages: int) -> bool:
+        """SGLang's own check that both free lists can hold the new pages, then :meth:`_back_both`."""
+        return bool(self.new_pages_available(full_pages, swa_pages)) and self._back_both(
+            full_pages, swa_pages
+        )
+
     @staticmethod
     def _log_short(part: str, sub: Any, pages: int) -> None:
         # The scheduler's capacity hooks should have deferred or retracted first; this is the race where
@@ -215,7 +221,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         pages = get_num_new_pages(
             seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
         )
-        if not self.new_pages_available(pages, pages) or not self._back_both(pages, pages):
+        if not self._prepare(pages, pages):
             return None
         result: torch.Tensor | None = super().alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
@@ -235,7 +241,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """SGLang's full-plus-SWA-tail allocation (PD decode side) after backing both parts."""
         full = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
         swa = -(-swa_tail_len // self.page_size)
-        if not self.new_pages_available(full, swa) or not self._back_both(full, swa):
+        if not self._prepare(full, swa):
             return None
         result: torch.Tensor | None = super().alloc_extend_swa_tail(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, swa_tail_len
@@ -248,7 +254,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """SGLang's paged ``alloc_decode`` after backing, on both sides, a page for every request that
         starts one (SGLang's composite would leak the full side's pages if only the SWA side failed)."""
         pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
-        if not self.new_pages_available(pages, pages) or not self._back_both(pages, pages):
+        if not self._prepare(pages, pages):
             return None
         result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         return result
