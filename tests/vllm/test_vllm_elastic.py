@@ -15,7 +15,7 @@ from elastic_kv.registry_view import Registry
 from vllm_engines import (
     TEST_ENV,
     charged_bytes,
-    engine_kwargs,
+    elastic_llm,
     generate,
     pool_snapshot,
     prompts,
@@ -36,21 +36,9 @@ def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
-    from vllm import LLM
-
-    mp = pytest.MonkeyPatch()
-    for key, value in {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}.items():
-        mp.setenv(key, value)
-    engine = LLM(
-        **engine_kwargs(
-            enable_prefix_caching=True,
-            disable_log_stats=False,
-            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
-        )
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    with elastic_llm(env, POOL, enable_prefix_caching=True, disable_log_stats=False) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import TEST_ENV, charged_bytes, engine_kwargs, generate, pool_snapshot, wait_for
+from vllm_engines import TEST_ENV, charged_bytes, elastic_llm, generate, pool_snapshot, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -29,24 +29,11 @@ def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
-    from vllm import LLM
-
-    mp = pytest.MonkeyPatch()
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     if TP == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    for key, value in env.items():
-        mp.setenv(key, value)
-    engine = LLM(
-        **engine_kwargs(
-            tensor_parallel_size=TP,
-            enable_prefix_caching=False,
-            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
-        )
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-    mp.undo()
+    with elastic_llm(env, POOL, tensor_parallel_size=TP, enable_prefix_caching=False) as engine:
+        yield engine
 
 
 def test_greedy_outputs_equal_native_without_prefix_caching(

@@ -53,6 +53,29 @@ def engine_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
+@contextmanager
+def elastic_llm(env: dict[str, str], pool: str, **overrides: Any) -> Iterator[Any]:
+    """An in-process ``LLM`` of :func:`engine_kwargs` with the elastic backend and pool name ``pool``, under
+    ``env`` (set for its lifetime, restored after), shut down at exit."""
+    import pytest
+    from vllm import LLM
+
+    mp = pytest.MonkeyPatch()
+    try:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        engine = LLM(
+            **engine_kwargs(
+                additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": pool}},
+                **overrides,
+            )
+        )
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
+    finally:
+        mp.undo()
+
+
 def prompts() -> list[list[int]]:
     """Varied token prompts: block-boundary lengths (vLLM's CPU block is 128 tokens), and four prompts
     sharing a 300-token prefix (prefix-cache hits)."""
