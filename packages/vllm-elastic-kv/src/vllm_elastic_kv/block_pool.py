@@ -71,9 +71,6 @@ class ElasticBlockPool(BlockPool):
         # Set by ElasticKVCacheManager around the first try of an allocation: only free blocks on backed
         # pages count, so an allocation that fits takes them without mapping or evicting anything.
         self.backed_only = False
-        # A ledger attached, no admission in progress, no reset: the count get_num_free_blocks returns most
-        # often is one flag test away (kept by _update_count_mode; backed_only is tested before it).
-        self._plain_count = False
 
     def attach(self, ledger: Ledger) -> None:
         """Connect the ledger; its null block must be vLLM's (block 0), its blocks these blocks."""
@@ -84,7 +81,6 @@ class ElasticBlockPool(BlockPool):
         if ledger.null_block != self.null_block.block_id:
             raise ValueError(f"ledger null block {ledger.null_block} != vLLM's {self.null_block.block_id}")
         self.ledger = ledger
-        self._update_count_mode()
 
     # -- counting -------------------------------------------------------------------------------------
     @property
@@ -98,19 +94,14 @@ class ElasticBlockPool(BlockPool):
         assert self.ledger is not None
         return self.ledger.used_blocks - self.num_cached - len(self._stash)
 
-    def _update_count_mode(self) -> None:
-        self._plain_count = not (self.ledger is None or self._strict or self._native_count or self._stash)
-
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can get now: the ledger's available blocks (backed, or backable within the
         physical limit) plus the evictable cached blocks (see :meth:`admission` for the strict count).
 
-        vLLM asks once per scheduled request, so the two common answers come first: the backed free blocks
-        (an allocation's first try) and the ledger's available blocks plus the cached ones."""
+        vLLM asks once per scheduled request, so the most common answer comes first: the backed free blocks
+        (an allocation's first try)."""
         if self.backed_only:
             return self.ledger.free_backed_blocks  # type: ignore[union-attr]
-        if self._plain_count:
-            return self.free_block_queue.num_free_blocks + self.ledger.available_size()  # type: ignore[union-attr]
         ledger = self.ledger
         if ledger is None:
             return super().get_num_free_blocks()
@@ -140,7 +131,6 @@ class ElasticBlockPool(BlockPool):
             ids = ledger.alloc(want) if want > 0 else []
             self._stash = ids or []
             self._strict = ids is None or want < bound
-            self._update_count_mode()
         try:
             yield
         finally:
@@ -148,7 +138,6 @@ class ElasticBlockPool(BlockPool):
                 stash, self._stash = self._stash, []
                 ledger.free(stash)
             self._strict = False
-            self._update_count_mode()
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """vLLM's ``get_new_blocks``, served from the stash, the ledger, then the LRU cached blocks."""
@@ -240,12 +229,10 @@ class ElasticBlockPool(BlockPool):
         if self.ledger is None:
             return super().reset_prefix_cache()
         self._native_count = True
-        self._update_count_mode()
         try:
             ok = super().reset_prefix_cache()
         finally:
             self._native_count = False
-            self._update_count_mode()
         if ok:
             self._release(self.free_block_queue.popleft_n(self.free_block_queue.num_free_blocks))
             self.ledger.trim()
