@@ -117,6 +117,48 @@ class _GcPauses:
         gc.callbacks.remove(self._callback)
 
 
+class _Timeline:
+    """Where the engine's time goes: wall and thread-CPU seconds per phase, summed over every call made while
+    ``on``.
+
+    Wraps bound methods on their instances (nothing of vLLM's classes changes), four clock reads a call:
+    the engine core's step phases (``schedule``, the model's ``execute``, ``update`` from its output), the KV
+    cache manager's ``allocate_slots`` inside ``schedule`` and, with the elastic backend, the pool's own
+    hooks, the scheduler thread's waits for the driver (synchronous maps, background maps it needs now),
+    and the worker rank's request handling on the rank's listener thread. Wall well above CPU means the
+    thread waited: for the GPU, the driver, or the interpreter lock.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: dict[str, list[float]] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, obj: Any, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+        spent, calls = [0.0, 0.0], self.calls
+        self.seconds[key], calls[key] = spent, 0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return inner(*args, **kwargs)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+                spent[1] += time.thread_time() - c0
+                calls[key] += 1
+
+        setattr(obj, name, timed)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {
+            k: {"s": round(wall, 4), "cpu_s": round(cpu, 4), "calls": self.calls[k]}
+            for k, (wall, cpu) in self.seconds.items()
+        }
+
+
 def _memory_probe(cpu_smoke: bool) -> tuple[Any, Any, str]:
     """(free-memory reading, synchronize, device name): the driver's on a GPU; host memory in CPU smoke
     mode, which only checks this script itself on a machine without a GPU."""
@@ -165,6 +207,20 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     scheduler = core.scheduler
     pool = getattr(scheduler, "elastic_pool", None)
     worker_pool = getattr(core.model_executor.driver_worker.worker, "_elastic_pool", None)
+    timeline = _Timeline()
+    timeline.wrap(scheduler, "schedule", "schedule")
+    timeline.wrap(core.model_executor, "execute_model", "execute")
+    timeline.wrap(core.model_executor, "sample_tokens", "execute: sample")
+    timeline.wrap(scheduler, "update_from_output", "update")
+    timeline.wrap(scheduler.kv_cache_manager, "allocate_slots", "schedule: allocate_slots")
+    if pool is not None:
+        timeline.wrap(pool, "step_dispatched", "elastic: step_dispatched (in schedule)")
+        timeline.wrap(pool, "step_completed", "elastic: step_completed (in update)")
+        timeline.wrap(pool.mapper, "map", "elastic: scheduler thread waits for map")
+        timeline.wrap(pool.mapper, "unmap", "elastic: scheduler thread waits for unmap")
+        timeline.wrap(pool.mapper, "collect", "elastic: scheduler thread collects background maps")
+    if worker_pool is not None and worker_pool.rank is not None:
+        timeline.wrap(worker_pool.rank, "handle", "elastic: rank requests (listener thread)")
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()
@@ -231,7 +287,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                 first_burst = list(sampler.samples)
                 idle()
             t1 = time.perf_counter()
+            timeline.on = True
             outs = llm.generate(_prompts(args.requests, args.prompt, seed), burst_params, use_tqdm=False)
+            timeline.on = False
             took = time.perf_counter() - t1
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             seconds, out_tokens = seconds + took, out_tokens + made
@@ -257,6 +315,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "burst_gc_s": round(pauses.seconds, 3),
         "burst_gc_collections": pauses.count,
         "gc_tracked_objects": len(gc.get_objects()),
+        "timeline": timeline.report(),
         "free_before": before["free"],
         "free_idle_before_burst": settled["free"],
         "free_min_during": min(s["free"] for s in sampler.samples),
@@ -313,6 +372,21 @@ def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
         print("".join(log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
         raise SystemExit(1)
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _per_burst(result: dict[str, Any], key: str) -> str:
+    """Milliseconds per burst that the timeline counted under ``key``: wall, CPU, calls."""
+    entry = result["timeline"].get(key, {"s": 0.0, "cpu_s": 0.0, "calls": 0})
+    bursts = len(result["burst_tokens_per_s_each"])
+    wall, cpu = 1000 * entry["s"] / bursts, 1000 * entry["cpu_s"] / bursts
+    return f"{wall:.1f} (cpu {cpu:.1f}, {entry['calls'] // bursts} calls)"
+
+
+def _other(result: dict[str, Any]) -> str:
+    """Milliseconds per burst outside the engine core's phases (LLM.generate's own work: inputs, outputs)."""
+    phases = sum(result["timeline"][k]["s"] for k in ("schedule", "execute", "execute: sample", "update"))
+    bursts = len(result["burst_tokens_per_s_each"])
+    return f"{1000 * (result['burst_seconds'] - phases) / bursts:.1f}"
 
 
 def _gib(n: float) -> str:
@@ -381,6 +455,13 @@ def main() -> None:
         f"{elastic['burst_thread_cpu_s']} s, garbage collection {native['burst_gc_s']} / "
         f"{elastic['burst_gc_s']} s ({native['burst_gc_collections']} / {elastic['burst_gc_collections']} "
         f"pauses; {native['gc_tracked_objects']} / {elastic['gc_tracked_objects']} tracked objects)",
+        "time per burst (native / elastic, ms): "
+        + ", ".join(
+            f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}"
+            for key in ("schedule", "schedule: allocate_slots", "execute", "execute: sample", "update")
+        )
+        + f", other {_other(native)} / {_other(elastic)}",
+        *(f"  {k}: {_per_burst(elastic, k)} ms" for k in elastic["timeline"] if k.startswith("elastic")),
         f"start-up: native {native['startup_s']} s, elastic {elastic['startup_s']} s, "
         f"delta {elastic['startup_s'] - native['startup_s']:+.2f} s",
         "checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in checks.items()),

@@ -88,10 +88,11 @@ class ElasticSchedulerMixin:
         return outputs
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        """vLLM's ``reset_prefix_cache``; on success the pool returns its memory at once when idle."""
+        """vLLM's ``reset_prefix_cache``; on success the pool returns its memory when idle, and this returns
+        once it is free (``sleep`` resets the prefix cache to release the KV cache's memory)."""
         ok = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
         if ok:
-            self.elastic_pool.settle_idle()
+            self.elastic_pool.settle_idle(wait=True)
         return ok
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ are serving their ranks by then) and wires:
 
 * the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.planned_geometry`);
 * the **coordinator** (``elastic_kv.ranks.Coordinator``) over a ``SocketTransport`` to every worker's rank,
-  at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages;
+  at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages -- driven
+  through a ``CoordinatorMapper``: the reserve is pre-mapped, and pages are released, on its background
+  thread, so a step waits for the workers' driver only when it must map a page now;
 * the pool's **record** in the shared registry (``kvctl list`` shows it; ``kvctl limit`` steers it);
 * the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
@@ -19,17 +21,12 @@ engine goes idle (no step in flight). Everything runs on the scheduler's thread,
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import queue
 import re
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 from elastic_kv.ledger import KVCacheManager as Ledger
-from elastic_kv.mapper import MapResult
-from elastic_kv.ranks import Coordinator, SocketTransport
+from elastic_kv.ranks import Coordinator, CoordinatorMapper, SocketTransport
 from elastic_kv.registry import PoolRecord
 
 from vllm_elastic_kv.block_pool import ElasticBlockPool
@@ -37,7 +34,7 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import planned_geometry
 
-__all__ = ["CoordinatorMapper", "SchedulerPool", "StepEpochs", "pool_name"]
+__all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,73 +60,6 @@ def _device_name(vllm_config: Any) -> str:
         return str(current_platform.get_device_uuid(0))
     except Exception:
         return "cuda:0"
-
-
-class CoordinatorMapper:
-    """The coordinator as the ledger's :class:`~elastic_kv.mapper.AsyncPageMapper`.
-
-    Synchronous ``map``/``unmap`` run on the caller's thread (the scheduler's: an allocation that cannot
-    wait); they are counted, because each one makes the step wait for the workers' driver. ``map_async``
-    hands pre-mapping of the reserve to one background thread, so growth ahead of demand never blocks a
-    step: the ledger collects finished jobs with ``collect()`` (never blocking) and may wait for a running
-    one only when an allocation needs its pages. The coordinator serializes calls, so a synchronous map
-    waits for at most one background call in progress.
-    """
-
-    def __init__(self, inner: Coordinator) -> None:
-        self.inner = inner
-        self.calls = 0  # synchronous map/unmap requests (the scheduler thread waited for the driver)
-        self.async_jobs = 0
-        self._outstanding = 0  # queued and not yet collected
-        self._jobs: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[MapResult] = queue.SimpleQueue()
-        self._ids = itertools.count(1)
-        self._thread = threading.Thread(target=self._serve, name="elastic-kv-premap", daemon=True)
-        self._thread.start()
-
-    def map(self, pages: Sequence[int]) -> None:
-        """Back ``pages`` on every rank now (see ``Coordinator.map``)."""
-        self.calls += 1
-        self.inner.map(pages)
-
-    def unmap(self, pages: Sequence[int]) -> None:
-        """Release ``pages`` on every rank now (see ``Coordinator.unmap``)."""
-        self.calls += 1
-        self.inner.unmap(pages)
-
-    def map_async(self, pages: Sequence[int]) -> int:
-        """Queue an all-or-nothing map of ``pages`` on the background thread; returns the job id."""
-        job = next(self._ids)
-        self.async_jobs += 1
-        self._outstanding += 1
-        self._jobs.put((job, list(pages)))
-        return job
-
-    def collect(self, wait: bool = False) -> list[MapResult]:
-        """Jobs finished since the last call, ``(job, pages, None | error text)``; never blocks unless
-        ``wait``, which first waits for every queued job."""
-        out: list[MapResult] = []
-        while self._outstanding:
-            try:
-                out.append(self._done.get(block=wait))
-            except queue.Empty:
-                break
-            self._outstanding -= 1
-        return out
-
-    def _serve(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, pages = item
-            try:
-                self.inner.map(pages)
-                self._done.put((job, pages, None))
-            except Exception as exc:  # reported to the ledger, which undoes the job
-                self._done.put((job, pages, f"{type(exc).__name__}: {exc}"))
-
-    def close(self) -> None:
-        """Stop the background thread after the job in progress."""
-        self._jobs.put(None)
-        self._thread.join(timeout=5.0)
 
 
 class StepEpochs:
@@ -257,18 +187,22 @@ class SchedulerPool:
         if idle:
             self.settle_idle()
 
-    def settle_idle(self) -> None:
+    def settle_idle(self, wait: bool = False) -> None:
         """The engine has nothing left to run: once no step is in flight, release every pending page and
         the reserve (the next request maps what it needs) and publish the pool's state for ``kvctl``.
 
         vLLM's engine loop blocks while idle and the ledger belongs to the scheduler's thread, so this runs
         at the transition to idle (last output processed, last request aborted, prefix cache reset, sleep)
-        rather than on a timer; ``kvctl`` changes made while idle apply at the next step."""
+        rather than on a timer; ``kvctl`` changes made while idle apply at the next step. The releases run
+        behind, on the mapper's thread, so the step's last outputs do not wait for them; ``wait`` (sleep)
+        returns only once the memory is free."""
         if not self.epochs.quiesce():
             return
         self.ledger.settle()
         self.ledger.trim()
         self.record.publish(self.ledger.snapshot())
+        if wait:
+            self.mapper.flush()
 
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
