@@ -1,21 +1,25 @@
 """GPU proof of vllm-elastic-kv on real hardware (vLLM 0.26 on the H200; see ../shared/RECIPES.md).
 
-Runs the same workload natively and with ``--kv-cache-backend=elastic``, each in a fresh process, with CUDA
-graphs and torch.compile on (vLLM's defaults), and prints one summary:
+Starts two engines on the GPU, one native and one with ``--kv-cache-backend=elastic``, each in a process of
+its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one summary:
 
 * greedy outputs, elastic == native, token for token, on a batch of varied prompts;
-* KV memory before / during / after a burst, from the driver's free-memory readings and the pool's own
-  snapshot -- an idle elastic engine must hold no more than its reserve;
-* throughput elastic / native on the burst (goal >= 0.99);
+* GPU memory each engine uses before / during / after a burst, from the driver's free-memory readings, and
+  the pool's own snapshot -- an idle elastic engine must hold no more than its reserve;
+* throughput elastic / native on bursts from idle (goal >= 0.99): both engines stay up, and each round runs
+  the same burst on one engine, then the other (alternating which goes first), while the other idles, so
+  that the machine's drift -- a shared host's CPUs vary by tens of percent from one process or minute to
+  the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
-* engine start-up time, elastic - native.
+* engine start-up time, elastic - native (elastic starts first, so a compile cache can only help native);
+* a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;
 both backends run that way. The native run excludes the plugin (``VLLM_PLUGINS=""``); the elastic run calls
 ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on ``PYTHONPATH`` is enough.
 
-    python3 ci/gpu_vllm.py [--requests 256] [--prompt 256] [--output 128] [--out DIR]
+    python3 ci/gpu_vllm.py [--requests 256] [--prompt 256] [--output 128] [--bursts 5] [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -37,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+_MARK = "@@gpu_vllm "  # prefixes the children's protocol lines on stdout
 
 ENV = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -73,9 +79,11 @@ def _prompts(n: int, length: int, salt: int) -> list[dict[str, list[int]]]:
 
 
 class _Sampler:
-    """Reads the driver's free memory (and the elastic pool's counters) every ``period`` seconds."""
+    """Reads the driver's free memory (and the elastic pool's counters) every ``period`` seconds while
+    ``active`` (this engine's bursts: meanwhile the other engine idles, so the readings are this one's)."""
 
     def __init__(self, probe: Any, period: float = 0.02) -> None:
+        self.active = False
         self.samples: list[dict[str, Any]] = []
         self._probe = probe
         self._period = period
@@ -84,7 +92,8 @@ class _Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(self._probe())
+            if self.active:
+                self.samples.append(self._probe())
             self._stop.wait(self._period)
 
     def __enter__(self) -> _Sampler:
@@ -175,7 +184,13 @@ def _memory_probe(cpu_smoke: bool) -> tuple[Any, Any, str]:
     return torch.cuda.mem_get_info, torch.cuda.synchronize, torch.cuda.get_device_name(0)
 
 
-def _child(args: argparse.Namespace) -> dict[str, Any]:
+def _say(message: dict[str, Any]) -> None:
+    """One protocol line to the parent (stdout also carries whatever else prints there)."""
+    print(_MARK + json.dumps(message), flush=True)
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One engine: set up, check, then run bursts on the parent's command (see :func:`main`)."""
     from vllm import LLM, SamplingParams
 
     mem_get_info, synchronize, device = _memory_probe(args.cpu_smoke)
@@ -193,6 +208,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         extra.update(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=256 << 20)
     else:
         extra.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization)
+    free_at_start = mem_get_info()[0]  # the other engine, if started, is idle: what this one uses is the drop
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model_dir,
@@ -226,7 +242,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         free, _ = mem_get_info()
         sample = {
             "t": time.perf_counter(),
-            "free": free,
+            "used": free_at_start - free,
             "waiting": len(scheduler.waiting),
             "running": len(scheduler.running),
         }
@@ -244,14 +260,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             core.step_fn()
 
     def idle(timeout: float = 20.0) -> dict[str, Any]:
-        """Wait for the pool to settle (idle housekeeping shrinks the reserve), then read memory."""
+        """Wait for the pool to settle (its releases run behind), then read memory."""
         drain()
         deadline = time.monotonic() + timeout
         last = probe()
         while pool is not None and time.monotonic() < deadline:
             time.sleep(0.5)
             now = probe()
-            if now["charged"] == last["charged"]:
+            if now["charged"] == last["charged"] and now["used"] == last["used"]:
                 break
             last = now
         synchronize()
@@ -268,32 +284,38 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     ]
     before = idle()
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(varied, greedy, use_tqdm=False)]
-
     burst_params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(_prompts(8, args.prompt, 1), burst_params, use_tqdm=False)  # warm-up
     settled = idle()
-    # Several bursts, each from idle (the elastic pool grows from its reserve every time): the ratio is
-    # that of the median bursts, so that a noisy burst (GPU clocks, the host) weighs little.
     if args.gc_freeze:
         gc.collect()
         gc.freeze()  # what a long-running server does after start-up: older objects leave the collector
-    seconds, out_tokens, per_burst = 0.0, 0, []
+    _say({"event": "ready", "startup_s": round(startup, 2), "tokens": tokens})
+
     profiler = cProfile.Profile() if args.profile else None
     pauses = _GcPauses()
-    cpu0 = time.thread_time()
-    with _Sampler(probe) as sampler, pauses, profiler or contextlib.nullcontext():
-        for seed in range(2, 2 + args.bursts):
-            if seed == 3:
-                first_burst = list(sampler.samples)
-                idle()
-            t1 = time.perf_counter()
-            timeline.on = True
-            outs = llm.generate(_prompts(args.requests, args.prompt, seed), burst_params, use_tqdm=False)
-            timeline.on = False
-            took = time.perf_counter() - t1
+    sampler = _Sampler(probe)
+    first_burst: list[dict[str, Any]] = []
+    seconds, out_tokens, cpu, per_burst = 0.0, 0, 0.0, []
+    with sampler, pauses:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["cmd"] != "burst":
+                break
+            idle()  # each burst from idle: the elastic pool grows from its reserve every time
+            prompts = _prompts(args.requests, args.prompt, command["seed"])
+            cpu0, t1 = time.thread_time(), time.perf_counter()
+            timeline.on = sampler.active = True
+            with profiler or contextlib.nullcontext():
+                outs = llm.generate(prompts, burst_params, use_tqdm=False)
+            timeline.on = sampler.active = False
+            took, cpu = time.perf_counter() - t1, cpu + time.thread_time() - cpu0
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             seconds, out_tokens = seconds + took, out_tokens + made
             per_burst.append(round(made / took, 1))
+            if not first_burst:
+                first_burst = list(sampler.samples)
+            _say({"event": "burst", "tokens_per_s": per_burst[-1]})
     after = idle()
     if profiler is not None:
         with open(Path(args.out) / f"profile_{backend}.txt", "w") as f:
@@ -301,25 +323,22 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
 
     result: dict[str, Any] = {
+        "event": "done",
         "backend": backend,
         "device": device,
         "vllm": __import__("vllm").__version__,
-        "startup_s": round(startup, 2),
-        "tokens": tokens,
         "burst_seconds": round(seconds, 3),
-        "burst_tokens_per_s": round(out_tokens / seconds, 1),
         "burst_tokens_per_s_each": per_burst,
-        "burst_tokens_per_s_median": statistics.median(per_burst),
         # Where the bursts' time went on the engine's thread: its own CPU time, and garbage collection.
-        "burst_thread_cpu_s": round(time.thread_time() - cpu0, 3),
+        "burst_thread_cpu_s": round(cpu, 3),
         "burst_gc_s": round(pauses.seconds, 3),
         "burst_gc_collections": pauses.count,
         "gc_tracked_objects": len(gc.get_objects()),
         "timeline": timeline.report(),
-        "free_before": before["free"],
-        "free_idle_before_burst": settled["free"],
-        "free_min_during": min(s["free"] for s in sampler.samples),
-        "free_after": after["free"],
+        "used_before": before["used"],
+        "used_idle_before_burst": settled["used"],
+        "used_max_during": max(s["used"] for s in sampler.samples),
+        "used_after": after["used"],
     }
     if pool is not None:
         snap = pool.ledger.snapshot()
@@ -346,32 +365,63 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             driver_steps_total=pool.driver_steps,
             steady_decode=steady,
             background_maps=pool.mapper.async_jobs,
+            releases=pool.mapper.releases,
             reserve_hit_rate=round(snap.reserve_hit_rate, 3),
             driver_calls={op: backend_calls.calls(op) for op in ("create", "map", "unmap", "set_access")}
             if backend_calls is not None
             else {},
         )
-    return result
+    _say(result)
 
 
-def _run(backend: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", backend, "--model-dir", args.model_dir]
-    cmd += ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output)]
-    cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--bursts", str(args.bursts)]
-    cmd += ["--cpu-smoke"] if args.cpu_smoke else []
-    cmd += ["--profile", "--out", args.out] if args.profile else []
-    cmd += ["--gc-freeze"] if args.gc_freeze else []
-    log = Path(args.out) / f"gpu_vllm_{backend}.log"
-    env = {**os.environ, **ENV}
-    if backend == "native":
-        env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
-    with open(log, "w") as err:
-        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    if done.returncode != 0:
-        print(f"{backend} run failed; last lines of {log}:", file=sys.stderr)
-        print("".join(log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
+class _Engine:
+    """A child process running one backend's engine, driven line by line (see :func:`main`)."""
+
+    def __init__(self, backend: str, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, __file__, "--child", backend, "--model-dir", args.model_dir]
+        cmd += ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output)]
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+        cmd += ["--profile", "--out", args.out] if args.profile else []
+        cmd += ["--gc-freeze"] if args.gc_freeze else []
+        self.backend = backend
+        self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
+        env = {**os.environ, **ENV}
+        if backend == "native":
+            env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
+        self._err = open(self.log, "w")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True
+        )
+        self.ready = self._receive("ready")
+
+    def _receive(self, event: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                message: dict[str, Any] = json.loads(line[len(_MARK) :])
+                if message.get("event") == event:
+                    return message
+        self.proc.wait()
+        print(f"{self.backend} engine failed; last lines of {self.log}:", file=sys.stderr)
+        print("".join(self.log.read_text().splitlines(keepends=True)[-40:]), file=sys.stderr)
         raise SystemExit(1)
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    def _send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def burst(self, seed: int) -> float:
+        self._send(cmd="burst", seed=seed)
+        return float(self._receive("burst")["tokens_per_s"])
+
+    def finish(self) -> dict[str, Any]:
+        self._send(cmd="finish")
+        result = self._receive("done")
+        self.proc.wait()
+        self._err.close()
+        return {**self.ready, **result}
 
 
 def _per_burst(result: dict[str, Any], key: str) -> str:
@@ -410,15 +460,27 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args)), flush=True)
+        _child(args)
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-"))))
-    native = _run("native", args)
-    elastic = _run("elastic", args)
+    # Elastic starts first: a compile cache the first engine leaves can only shorten native's start-up.
+    elastic_engine = _Engine("elastic", args)
+    native_engine = _Engine("native", args)
+    rounds: list[tuple[float, float]] = []
+    for r in range(args.bursts):
+        # Both engines are up; one bursts while the other idles. Alternating which goes first, each round's
+        # pair runs back to back on the same prompts, so the machine's drift hits both alike.
+        if r % 2:
+            e, n = elastic_engine.burst(2 + r), native_engine.burst(2 + r)
+        else:
+            n, e = native_engine.burst(2 + r), elastic_engine.burst(2 + r)
+        rounds.append((n, e))
+    elastic, native = elastic_engine.finish(), native_engine.finish()
 
     same = native["tokens"] == elastic["tokens"]
-    ratio = elastic["burst_tokens_per_s_median"] / native["burst_tokens_per_s_median"]
+    ratios = [e / n for n, e in rounds]
+    ratio = statistics.median(ratios)
     idle_ok = elastic["charged_after"] <= elastic["page_bytes"] + elastic["reserve_max_bytes"]
     steady = elastic["steady_decode"]
     share = steady["driver_steps"] / steady["steps"] if steady["steps"] else float("nan")
@@ -431,24 +493,25 @@ def main() -> None:
     lines = [
         f"vLLM {elastic['vllm']} on {elastic['device']}",
         f"greedy outputs: {'EQUAL' if same else 'DIFFERENT'} ({len(native['tokens'])} prompts x 64 tokens)",
-        "KV memory (driver free-memory readings, GPU-wide):",
-        f"  native : idle free {_gib(native['free_idle_before_burst'])}, min during burst "
-        f"{_gib(native['free_min_during'])}, after {_gib(native['free_after'])}",
-        f"  elastic: idle free {_gib(elastic['free_idle_before_burst'])}, min during burst "
-        f"{_gib(elastic['free_min_during'])}, after {_gib(elastic['free_after'])}",
-        f"  elastic idle saves {_gib(elastic['free_idle_before_burst'] - native['free_idle_before_burst'])}"
-        f" versus native; grows by {_gib(elastic['free_idle_before_burst'] - elastic['free_min_during'])}"
-        " in the burst",
+        "GPU memory each engine uses (driver free-memory readings; the other engine idle meanwhile):",
+        f"  native : idle {_gib(native['used_idle_before_burst'])}, max in a burst "
+        f"{_gib(native['used_max_during'])}, after {_gib(native['used_after'])}",
+        f"  elastic: idle {_gib(elastic['used_idle_before_burst'])}, max in a burst "
+        f"{_gib(elastic['used_max_during'])}, after {_gib(elastic['used_after'])}",
+        f"  elastic idle saves {_gib(native['used_idle_before_burst'] - elastic['used_idle_before_burst'])}"
+        f" versus native; grows by {_gib(elastic['used_max_during'] - elastic['used_idle_before_burst'])}"
+        " in a burst",
         "KV memory (pool snapshot): backed before "
         f"{_gib(elastic['charged_before'])}, peak {_gib(elastic['charged_peak'])}, after "
         f"{_gib(elastic['charged_after'])} (reserve cap {_gib(elastic['reserve_max_bytes'])}, page "
         f"{elastic['page_bytes'] >> 20} MiB = {elastic['blocks_per_page']} blocks)",
-        f"throughput (median of {args.bursts} bursts): native {native['burst_tokens_per_s_median']} tok/s, "
-        f"elastic {elastic['burst_tokens_per_s_median']} tok/s, ratio {ratio:.4f} (per burst: native "
-        f"{native['burst_tokens_per_s_each']}, elastic {elastic['burst_tokens_per_s_each']})",
+        f"throughput: elastic / native {ratio:.4f} (median of {len(rounds)} rounds, each a burst on both "
+        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); tok/s native "
+        f"{[round(n) for n, _ in rounds]}, elastic {[round(e) for _, e in rounds]}",
         f"decode steps that waited for the driver: {steady['driver_steps']}/{steady['steps']} in steady "
         f"decode ({share:.2%}); {elastic['driver_steps_total']}/{elastic['steps_total']} over the whole run; "
-        f"{elastic['background_maps']} background pre-maps; reserve hit rate {elastic['reserve_hit_rate']}",
+        f"{elastic['background_maps']} background pre-maps, {elastic['releases']} releases behind; reserve "
+        f"hit rate {elastic['reserve_hit_rate']}",
         f"driver calls (elastic worker): {elastic['driver_calls']}",
         "engine thread in the bursts (native / elastic): wall "
         f"{native['burst_seconds']} / {elastic['burst_seconds']} s, CPU {native['burst_thread_cpu_s']} / "
