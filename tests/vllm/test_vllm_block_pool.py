@@ -290,3 +290,30 @@ def test_admission_bound_reads_vllms_arguments() -> None:
     assert admission_bound([16], (32,), {}) == 2 + 2
     assert admission_bound([16], (1,), {"num_lookahead_tokens": 15}) == 1 + 2
     assert admission_bound([16, 32], (), {"num_new_tokens": 33, "num_external_computed_tokens": 0}) == 5 + 4
+
+
+@pytest.mark.parametrize("limit_pages", [0, 2])
+def test_running_request_inside_a_step_takes_backed_blocks_then_admission(limit_pages: int) -> None:
+    """The scheduler counts backed blocks only while it schedules a step: a running request's decode call
+    that needs no new page goes straight through; one that needs a page is admitted (maps it), or, when the
+    limit allows none, is the scheduler's usual miss -- and the step's counting mode survives both."""
+    stack = _stack(limit_pages=limit_pages)  # limit 2: the null page and the request's page
+    req = stack.request(list(range(10, 10 + 2 * BLOCK - 1)))  # one page, one free slot in its last block
+    assert _allocate(stack, req) is not None
+    stack.epochs.quiesce()
+    mapped = stack.group.num_mapped
+    req.num_computed_tokens = req.num_tokens
+    with stack.pool.counting(backed_only=True):  # what ElasticScheduler.schedule does around vLLM's
+        req.append_output_token_ids(5)  # fits the last block: no new block, no mapping
+        assert stack.manager.allocate_slots(req, 1, num_lookahead_tokens=0) is not None
+        assert stack.group.num_mapped == mapped and stack.pool.backed_only
+        req.num_computed_tokens = req.num_tokens
+        req.append_output_token_ids(6)  # the next block starts a new page
+        blocks = stack.manager.allocate_slots(req, 1, num_lookahead_tokens=0)
+        assert stack.pool.backed_only
+    if limit_pages:
+        assert blocks is None and stack.group.num_mapped == mapped  # preempt or wait, as natively
+    else:
+        assert blocks is not None and stack.backed(_blocks(stack, req))
+        assert stack.group.num_mapped == mapped + 1
+    assert not stack.pool.backed_only and not stack.pool._stash

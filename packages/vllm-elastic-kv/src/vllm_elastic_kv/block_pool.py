@@ -68,8 +68,8 @@ class ElasticBlockPool(BlockPool):
         self._stash: list[int] = []  # ids taken from the ledger by admission, not yet handed out
         self._strict = False  # admission could not back its bound: count backed blocks only
         self._native_count = False  # reset_prefix_cache: count free blocks as vLLM does
-        # Set by ElasticKVCacheManager around the first try of an allocation: only free blocks on backed
-        # pages count, so an allocation that fits takes them without mapping or evicting anything.
+        # True while the scheduler schedules a step, and around the first try of an admission: only blocks
+        # the pool holds count (free on backed pages, cached), so an allocation that fits needs no new page.
         self.backed_only = False
 
     def attach(self, ledger: Ledger) -> None:
@@ -98,10 +98,10 @@ class ElasticBlockPool(BlockPool):
         """Blocks an allocation can get now: the ledger's available blocks (backed, or backable within the
         physical limit) plus the evictable cached blocks (see :meth:`admission` for the strict count).
 
-        vLLM asks once per scheduled request, so the most common answer comes first: the backed free blocks
-        (an allocation's first try)."""
+        vLLM asks once per scheduled request, so the most common answer comes first: with ``backed_only``,
+        the blocks the pool holds already, free blocks on backed pages and evictable cached ones."""
         if self.backed_only:
-            return self.ledger.free_backed_blocks  # type: ignore[union-attr]
+            return self.ledger.free_backed_blocks + self.free_block_queue.num_free_blocks  # type: ignore[union-attr]
         ledger = self.ledger
         if ledger is None:
             return super().get_num_free_blocks()
@@ -118,6 +118,15 @@ class ElasticBlockPool(BlockPool):
         return self.num_referenced / total if total else 0.0
 
     # -- allocation -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def counting(self, backed_only: bool) -> Iterator[None]:
+        """Within the block, ``get_num_free_blocks`` counts backed free blocks only, or not."""
+        previous, self.backed_only = self.backed_only, backed_only
+        try:
+            yield
+        finally:
+            self.backed_only = previous
+
     @contextlib.contextmanager
     def admission(self, bound: int) -> Iterator[None]:
         """Within the block, up to ``bound`` blocks can be allocated without mapping; if that could not be
@@ -151,17 +160,11 @@ class ElasticBlockPool(BlockPool):
             ids = ledger.alloc(num_blocks)  # the common case, a decode step's block: the ledger has it
         if ids is None:
             ids = self._take_ids(num_blocks, ledger_refused=not self._stash and not self._strict)
-        # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Its own
-        # check must count the blocks just queued, whatever counting mode the caller is in.
+        # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Every
+        # counting mode counts the queue, so its own check sees the blocks just queued.
         blocks = self.blocks
         self.free_block_queue.prepend_n([blocks[i] for i in ids])
-        if not self.backed_only:
-            return _vllm_get_new_blocks(self, num_blocks)
-        self.backed_only = False
-        try:
-            return _vllm_get_new_blocks(self, num_blocks)
-        finally:
-            self.backed_only = True
+        return _vllm_get_new_blocks(self, num_blocks)
 
     def _take_ids(self, n: int, ledger_refused: bool = False) -> list[int]:
         """``n`` ids: stash first, then the ledger; fewer when cached blocks must cover the rest.

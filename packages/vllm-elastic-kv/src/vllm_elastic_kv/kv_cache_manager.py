@@ -8,14 +8,19 @@ with an upper bound on the blocks the call can take: the pool backs that many fi
 counts only backed blocks, and vLLM's own check then turns the shortage into a normal scheduler miss. No
 state has to be rolled back, because nothing was changed before the check.
 
+The per-request call of a running request, once per scheduled request and step, is the hot path: while
+the scheduler schedules a step, the pool counts backed free blocks only (``ElasticBlockPool.backed_only``,
+set once per step by the elastic scheduler), so that call goes straight to vLLM and needs the admission
+below only if vLLM says no.
+
 The bound: per KV cache group, ``cdiv(new + lookahead + external + encoder tokens, block size) + 2`` (one
 block for a partial block boundary, one for a copy-on-write of a partially hit prefix block). When the
 backed free blocks cover the bound, nothing else happens (an integer comparison). Otherwise vLLM's call is
 first tried counting backed free blocks only -- most calls (decode steps that need no new block) succeed
 right there, without mapping or evicting -- and only if vLLM says no, admission backs the bound and vLLM's
-call runs again. vLLM changes nothing before it returns ``None`` (it only drops blocks that left a sliding
-window, which a second call does not repeat), and its own scheduler retries ``allocate_slots`` the same
-way between preemptions.
+call runs again, counting every block the pool could provide. vLLM changes nothing before it returns
+``None`` (it only drops blocks that left a sliding window, which a second call does not repeat), and its
+own scheduler retries ``allocate_slots`` the same way between preemptions.
 """
 
 from __future__ import annotations
@@ -68,20 +73,16 @@ class ElasticKVCacheManager(KVCacheManager):
             if num_lookahead_tokens is not None:
                 kwargs["num_lookahead_tokens"] = num_lookahead_tokens
             return _vllm_allocate_slots(self, request, num_new_tokens, *args, **kwargs)
-        if not args and not kwargs:
-            # The running-request call. A running request has no watermark and no reserved blocks, so vLLM
-            # admits it against the backed free blocks exactly when the bound would have found them enough
-            # (it needs at most the bound); trying that first costs two flag writes instead of the bound.
-            pool.backed_only = True  # a flag, not a context manager: this runs per request per step
-            try:
-                if num_lookahead_tokens is None:
-                    blocks = _vllm_allocate_slots(self, request, num_new_tokens)
-                else:
-                    blocks = _vllm_allocate_slots(
-                        self, request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
-                    )
-            finally:
-                pool.backed_only = False
+        if pool.backed_only and not args and not kwargs:
+            # The running-request call, inside the scheduler's step, where the pool counts backed free blocks
+            # only. A running request has no watermark and no reserved blocks, so vLLM admits it against
+            # them exactly when the bound would have found them enough (it needs at most the bound).
+            if num_lookahead_tokens is None:
+                blocks = _vllm_allocate_slots(self, request, num_new_tokens)
+            else:
+                blocks = _vllm_allocate_slots(
+                    self, request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+                )
             if blocks is not None:
                 return blocks
             tried_backed = True
@@ -110,12 +111,9 @@ class ElasticKVCacheManager(KVCacheManager):
             # The bound overestimates (most decode calls need no block at all): first try with the backed
             # free blocks only; vLLM returns None before changing anything if they do not suffice, and
             # retrying allocate_slots after a None is what vLLM's own scheduler does between preemptions.
-            pool.backed_only = True
-            try:
+            with pool.counting(backed_only=True):
                 blocks = _vllm_allocate_slots(self, request, *args, **kwargs)
-            finally:
-                pool.backed_only = False
             if blocks is not None:
                 return blocks
-        with pool.admission(bound):
+        with pool.counting(backed_only=False), pool.admission(bound):
             return _vllm_allocate_slots(self, request, *args, **kwargs)

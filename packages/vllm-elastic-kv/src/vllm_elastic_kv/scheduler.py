@@ -8,8 +8,9 @@ picks the one matching ``async_scheduling``). They change three things:
   construction code builds them with its own arguments (:func:`vllm_elastic_kv.compat.scoped_attribute`;
   restored when construction ends). Then the pool is connected to the ledger and the workers
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
-* ``schedule``: after vLLM scheduled the step, the step's release epoch starts and the pool does its
-  housekeeping (reserve, ``kvctl`` limit);
+* ``schedule``: while vLLM schedules the step, the pool counts backed free blocks only (the running
+  requests' fast path); after it, the step's release epoch starts and the pool does its housekeeping
+  (reserve, ``kvctl`` limit);
 * ``update_from_output``: pages emptied while that step could still read them are released now; when no
   request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
   block's page.
@@ -75,8 +76,10 @@ class ElasticSchedulerMixin:
         self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule``; the returned step carries its release epoch."""
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        """vLLM's ``schedule``, counting backed free blocks only for its running requests (see
+        :mod:`vllm_elastic_kv.kv_cache_manager`); the returned step carries its release epoch."""
+        with self.elastic_pool.block_pool.counting(backed_only=True):
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched())
         return output
 
