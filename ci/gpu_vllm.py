@@ -54,20 +54,37 @@ ENV = {
 }
 
 
-def _model_dir(root: Path) -> Path:
+# Llama shapes with random ("dummy") weights. tiny: 8 layers of 1024 -- the engine thread's Python work, not
+# the GPU, sets the pace, which makes the plugin's per-step costs weigh the most (the worst case). 1b:
+# TinyLlama-1.1B's shape (22 layers of 2048, 4 KV heads) -- closer to what a GPU serves.
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+    },
+}
+
+
+def _model_dir(root: Path, model: str) -> Path:
     from transformers import LlamaConfig
 
-    path = root / "tiny-llama-8l"
+    path = root / f"llama-{model}"
     if not (path / "config.json").exists():
         LlamaConfig(
             architectures=["LlamaForCausalLM"],
             vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=8,
-            num_attention_heads=16,
-            num_key_value_heads=8,
             max_position_embeddings=4096,
+            **MODELS[model],
         ).save_pretrained(path)
     return path
 
@@ -208,7 +225,11 @@ def _child(args: argparse.Namespace) -> None:
         extra.update(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=256 << 20)
     else:
         extra.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization)
-    free_at_start = mem_get_info()[0]  # the other engine, if started, is idle: what this one uses is the drop
+    # This engine's use = `base` + the drop of free memory since `free` was read. The other engine changes
+    # its use only in its own bursts, and returns to its idle use after them; this one reads memory only
+    # while the other idles: while it starts (base: its idle use), then in and after its own bursts, from
+    # a reading just before each.
+    reference = {"base": 0, "free": mem_get_info()[0]}
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model_dir,
@@ -242,7 +263,7 @@ def _child(args: argparse.Namespace) -> None:
         free, _ = mem_get_info()
         sample = {
             "t": time.perf_counter(),
-            "used": free_at_start - free,
+            "used": reference["base"] + reference["free"] - free,
             "waiting": len(scheduler.waiting),
             "running": len(scheduler.running),
         }
@@ -287,6 +308,7 @@ def _child(args: argparse.Namespace) -> None:
     burst_params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(_prompts(8, args.prompt, 1), burst_params, use_tqdm=False)  # warm-up
     settled = idle()
+    reference.update(base=settled["used"], free=mem_get_info()[0])
     if args.gc_freeze:
         gc.collect()
         gc.freeze()  # what a long-running server does after start-up: older objects leave the collector
@@ -303,6 +325,7 @@ def _child(args: argparse.Namespace) -> None:
             if command["cmd"] != "burst":
                 break
             idle()  # each burst from idle: the elastic pool grows from its reserve every time
+            reference["free"] = mem_get_info()[0]
             prompts = _prompts(args.requests, args.prompt, command["seed"])
             cpu0, t1 = time.thread_time(), time.perf_counter()
             timeline.on = sampler.active = True
@@ -448,7 +471,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
-    parser.add_argument("--bursts", type=int, default=5, help="timed bursts per backend (median taken)")
+    parser.add_argument("--bursts", type=int, default=11, help="rounds: bursts per engine (median taken)")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="tiny", help="model shape (random weights)"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -463,7 +489,7 @@ def main() -> None:
         _child(args)
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-"))))
+    args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-")), args.model))
     # Elastic starts first: a compile cache the first engine leaves can only shorten native's start-up.
     elastic_engine = _Engine("elastic", args)
     native_engine = _Engine("native", args)

@@ -8,10 +8,19 @@ from typing import Any
 import pytest
 import torch
 from elastic_kv import _vmm
+from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
 from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
+from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.features import check_model, unsupported_model_features
-from vllm_elastic_kv.layout import check_plan, observed_geometry, planned_geometry, view_families
+from vllm_elastic_kv.layout import (
+    AUTO_PAGE_BYTES,
+    check_plan,
+    observed_geometry,
+    planned_geometry,
+    pool_geometry,
+    view_families,
+)
 from vllm_elastic_kv.worker_pool import _ZeroingTarget
 
 pytestmark = pytest.mark.vllm
@@ -211,3 +220,38 @@ def test_model_features_are_named() -> None:
     assert "several KV cache groups" in reasons and "sliding-window attention" in reasons
     with pytest.raises(ConfigError, match="cross-layer KV cache sharing"):
         check_model(plain, shared_kv_layers=2)
+
+
+def _per_tensor_config(num_layers: int, num_blocks: int) -> Any:
+    """A 0.26-style KVCacheConfig: one tensor per layer, 8 KiB blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+
+    class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
+        def __init__(self, name: str) -> None:
+            self.size, self.shared_by = num_blocks * spec.page_size_bytes, [name]
+            self.offset = self.block_stride = 0
+
+    names = [f"l{i}" for i in range(num_layers)]
+    return KVCacheConfig(num_blocks, [Tensor026(n) for n in names], [KVCacheGroupSpec(names, spec)])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("layers", "slot_mib"), [(2, 32), (8, 8), (12, 4), (32, 2), (80, 2)])
+def test_automatic_slot_size_keeps_pages_near_64_mib(layers: int, slot_mib: int) -> None:
+    """GPUs without a configured page size: the fewest driver handles whose page stays ~64 MiB."""
+    cfg = _per_tensor_config(layers, num_blocks=16384)
+    elastic = ElasticConfig()  # 2 MiB slots
+    configured = pool_geometry(cfg, None, "per_tensor", elastic, auto_page_size=False)
+    assert configured.page_size == 2 << 20 and configured.page_bytes == layers * (2 << 20)
+    auto = pool_geometry(cfg, None, "per_tensor", elastic, auto_page_size=True)
+    assert auto.page_size == slot_mib << 20
+    assert auto.page_bytes == layers * auto.page_size <= max(AUTO_PAGE_BYTES, configured.page_bytes)
+    assert auto.blocks_per_page == configured.blocks_per_page * (slot_mib // 2)
+
+
+def test_page_size_set_says_whether_the_user_chose_it() -> None:
+    assert not PluginConfig.resolve({}, {}).page_size_set
+    assert PluginConfig.resolve({}, {"ELASTIC_KV_PAGE_SIZE": "4M"}).page_size_set
+    assert PluginConfig.resolve({"elastic_kv": {"page_size": "4M"}}, {}).page_size_set
+    assert not PluginConfig.resolve({}, {"ELASTIC_KV_LIMIT": "1G"}).page_size_set

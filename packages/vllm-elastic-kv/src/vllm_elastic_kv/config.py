@@ -96,6 +96,9 @@ class PluginConfig:
     instance: str | None = None
     capacity_bytes: int = 0
     idle_cache_bytes: int = 0
+    # Whether the user chose elastic.page_size (ELASTIC_KV_PAGE_SIZE or additional_config); if not, GPUs
+    # size their slots to the model (vllm_elastic_kv.layout.pool_geometry).
+    page_size_set: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +139,15 @@ class PluginConfig:
         pool_env = {k: v for k, v in environ.items() if k not in _PLUGIN_ENV}
         elastic = ElasticConfig.from_env(pool_env, **overrides)
         sizes = {name: _plugin_size(name, pool_options, environ) for name in _PLUGIN_OPTIONS}
-        return cls(backend=backend, source=source, elastic=elastic, instance=instance, **sizes)
+        page_size_set = "page_size" in overrides or bool(pool_env.get(f"{ENV_PREFIX}PAGE_SIZE", "").strip())
+        return cls(
+            backend=backend,
+            source=source,
+            elastic=elastic,
+            instance=instance,
+            page_size_set=page_size_set,
+            **sizes,
+        )
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, environ: Mapping[str, str]) -> PluginConfig:

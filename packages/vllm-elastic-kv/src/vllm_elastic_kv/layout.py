@@ -1,6 +1,7 @@
 """vLLM's KV cache layout as an :class:`elastic_kv.geometry.BlockGeometry`.
 
-Two geometries of one pool must agree on how blocks group into pages (``blocks_per_page``, ``num_pages``):
+:func:`pool_geometry` chooses the slot size (``page_size``) and plans with it. Two geometries of one pool
+must agree on how blocks group into pages (``blocks_per_page``, ``num_pages``):
 
 * :func:`planned_geometry` -- the scheduler's, from the ``KVCacheConfig`` alone (the engine-core process
   has no tensors). vLLM >= 0.29 describes its one backing buffer exactly (``offset``, ``layer_stride``,
@@ -23,10 +24,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry, strided_families
 
-__all__ = ["check_plan", "observed_geometry", "planned_geometry", "view_families"]
+__all__ = [
+    "AUTO_PAGE_BYTES",
+    "check_plan",
+    "observed_geometry",
+    "planned_geometry",
+    "pool_geometry",
+    "view_families",
+]
+
+# The automatic slot size (GPUs, when the user sets no page size) aims at logical pages of about this many
+# bytes, with slots of at most AUTO_SLOT_MAX: see pool_geometry.
+AUTO_PAGE_BYTES = 64 << 20
+AUTO_SLOT_MAX = 32 << 20
 
 
 def _spec_of(kv_cache_config: Any, layer: str) -> Any:
@@ -108,6 +122,41 @@ def planned_geometry(
     return BlockGeometry(
         sizes, families, kv_cache_config.num_blocks, page_size, max_page_slots=max_page_slots
     )
+
+
+def pool_geometry(
+    kv_cache_config: Any,
+    vllm_config: Any,
+    kv_allocation: str,
+    elastic: ElasticConfig,
+    *,
+    auto_page_size: bool,
+    split_kv: bool = False,
+) -> BlockGeometry:
+    """The pool's planned geometry, with its slot size (``page_size``): the configured one, or with
+    ``auto_page_size`` the largest power-of-two multiple of it, up to ``AUTO_SLOT_MAX``, that keeps a
+    logical page (one slot in every space or layer family) within ``AUTO_PAGE_BYTES``.
+
+    Why: the driver's cost is per physical handle, not per byte (~57 us to back a 2 MiB or a 32 MiB slot on
+    an H200), so a burst's growth costs the data plane time in proportion to the number of slots; and a
+    logical page is the least an idle pool holds (the null block's page). A shallow model -- 8 layers: 16 MiB
+    pages of 2 MiB slots -- gets 8 MiB slots (64 MiB pages, a quarter of the driver calls); a model of 32
+    layers or more keeps 2 MiB slots. The scheduler and every worker compute the same plan.
+    """
+
+    def plan(page_size: int) -> BlockGeometry:
+        return planned_geometry(
+            kv_cache_config, vllm_config, kv_allocation, page_size, elastic.max_page_slots, split_kv
+        )
+
+    configured = plan(elastic.page_size)
+    if not auto_page_size:
+        return configured
+    slots = max(1, round(configured.page_bytes / configured.page_size))
+    slot = configured.page_size
+    while slot * 2 <= AUTO_SLOT_MAX and slots * slot * 2 <= AUTO_PAGE_BYTES:
+        slot *= 2
+    return configured if slot == configured.page_size else plan(slot)
 
 
 def _block_axis(view: torch.Tensor, num_blocks: int, kv_allocation: str) -> int:

@@ -3,7 +3,7 @@
 :class:`SchedulerPool` is built once the scheduler's block pool exists (the workers have allocated and
 are serving their ranks by then) and wires:
 
-* the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.planned_geometry`);
+* the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.pool_geometry`);
 * the **coordinator** (``elastic_kv.ranks.Coordinator``) over a ``SocketTransport`` to every worker's rank,
   at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages -- driven
   through a ``CoordinatorMapper``: the reserve is pre-mapped, and pages are released, on its background
@@ -32,7 +32,7 @@ from elastic_kv.registry import PoolRecord
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.layout import planned_geometry
+from vllm_elastic_kv.layout import pool_geometry
 
 __all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
 
@@ -120,15 +120,15 @@ class SchedulerPool:
 
         assert plugin.instance is not None
         self.plugin = plugin
-        cfg = dataclasses.replace(plugin.elastic, defer_release=True)
-        self.geometry = planned_geometry(
+        self.geometry = pool_geometry(
             kv_cache_config,
             vllm_config,
             support.kv_allocation,
-            cfg.page_size,
-            cfg.max_page_slots,
+            plugin.elastic,
+            auto_page_size=not plugin.page_size_set and current_platform.is_cuda_alike(),
             split_kv=current_platform.is_rocm(),
         )
+        cfg = dataclasses.replace(plugin.elastic, defer_release=True, page_size=self.geometry.page_size)
         world = vllm_config.parallel_config.world_size
         self.transport = SocketTransport.for_instance(plugin.instance, world)
         self.coordinator = Coordinator(self.transport, handshake_timeout=_HANDSHAKE_TIMEOUT_S)

@@ -31,7 +31,7 @@ from elastic_kv.ranks import Rank, SocketListener, socket_path
 from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.layout import check_plan, observed_geometry, planned_geometry
+from vllm_elastic_kv.layout import check_plan, observed_geometry, pool_geometry
 
 __all__ = ["WorkerPool", "make_backend"]
 
@@ -116,12 +116,12 @@ class WorkerPool:
         self.rank_index = rank
         self.backend = make_backend(self.device)
         self._zero_on_map = self.backend.name != "host" if zero_on_map is None else zero_on_map
-        self.planned = planned_geometry(
+        self.planned = pool_geometry(
             kv_cache_config,
             vllm_config,
             support.kv_allocation,
-            plugin.elastic.page_size,
-            plugin.elastic.max_page_slots,
+            plugin.elastic,
+            auto_page_size=not plugin.page_size_set and self.device.type == "cuda",
             split_kv=self.device.type == "cuda" and torch.version.hip is not None,
         )
         self._allocation: KVAllocation | None = None
@@ -141,7 +141,7 @@ class WorkerPool:
         """The context for vLLM's KV cache allocation (usable once)."""
         if self._allocation is not None:
             raise RuntimeError("the KV cache allocation context was already used")
-        page = self.plugin.elastic.page_size
+        page = self.planned.page_size
         self._allocation = KVAllocation(
             planned_allocations(self.kv_cache_config, self.support.kv_allocation),
             self.device,
@@ -161,7 +161,7 @@ class WorkerPool:
             [s.base for s in spaces],
             [s.size for s in spaces],
             self.kv_cache_config.num_blocks,
-            self.plugin.elastic.page_size,
+            self.planned.page_size,
             self.planned.blocks_per_page,
             self.support.kv_allocation,
         )
