@@ -339,7 +339,7 @@ def _child(args: argparse.Namespace) -> None:
             if not first_burst:
                 first_burst = list(sampler.samples)
             _say({"event": "burst", "tokens_per_s": per_burst[-1]})
-    after = idle()
+    after = idle()  # (the other engine is still up and idle: the parent lets both exit together)
     if profiler is not None:
         with open(Path(args.out) / f"profile_{backend}.txt", "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
@@ -395,6 +395,7 @@ def _child(args: argparse.Namespace) -> None:
             else {},
         )
     _say(result)
+    sys.stdin.read()  # until the parent closes it: both engines exit only once both reported
 
 
 class _Engine:
@@ -440,11 +441,15 @@ class _Engine:
         return float(self._receive("burst")["tokens_per_s"])
 
     def finish(self) -> dict[str, Any]:
+        """The engine's report; it keeps its memory until :meth:`close`."""
         self._send(cmd="finish")
-        result = self._receive("done")
+        return {**self.ready, **self._receive("done")}
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
         self.proc.wait()
         self._err.close()
-        return {**self.ready, **result}
 
 
 def _per_burst(result: dict[str, Any], key: str) -> str:
@@ -503,6 +508,8 @@ def main() -> None:
             n, e = native_engine.burst(2 + r), elastic_engine.burst(2 + r)
         rounds.append((n, e))
     elastic, native = elastic_engine.finish(), native_engine.finish()
+    elastic_engine.close()
+    native_engine.close()
 
     same = native["tokens"] == elastic["tokens"]
     ratios = [e / n for n, e in rounds]
@@ -532,7 +539,8 @@ def main() -> None:
         f"{_gib(elastic['charged_after'])} (reserve cap {_gib(elastic['reserve_max_bytes'])}, page "
         f"{elastic['page_bytes'] >> 20} MiB = {elastic['blocks_per_page']} blocks)",
         f"throughput: elastic / native {ratio:.4f} (median of {len(rounds)} rounds, each a burst on both "
-        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); tok/s native "
+        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); over all rounds "
+        f"{native['burst_seconds'] / elastic['burst_seconds']:.4f} (same tokens, total time); tok/s native "
         f"{[round(n) for n, _ in rounds]}, elastic {[round(e) for _, e in rounds]}",
         f"decode steps that waited for the driver: {steady['driver_steps']}/{steady['steps']} in steady "
         f"decode ({share:.2%}); {elastic['driver_steps_total']}/{elastic['steps_total']} over the whole run; "

@@ -37,9 +37,9 @@ __all__ = [
     "view_families",
 ]
 
-# The automatic slot size (GPUs, when the user sets no page size) aims at logical pages of about this many
+# The automatic slot size (GPUs, when the user sets no page size) keeps logical pages within this many
 # bytes, with slots of at most AUTO_SLOT_MAX: see pool_geometry.
-AUTO_PAGE_BYTES = 64 << 20
+AUTO_PAGE_BYTES = 256 << 20
 AUTO_SLOT_MAX = 32 << 20
 
 
@@ -137,11 +137,13 @@ def pool_geometry(
     ``auto_page_size`` the largest power-of-two multiple of it, up to ``AUTO_SLOT_MAX``, that keeps a
     logical page (one slot in every space or layer family) within ``AUTO_PAGE_BYTES``.
 
-    Why: the driver's cost is per physical handle, not per byte (~57 us to back a 2 MiB or a 32 MiB slot on
-    an H200), so a burst's growth costs the data plane time in proportion to the number of slots; and a
-    logical page is the least an idle pool holds (the null block's page). A shallow model -- 8 layers: 16 MiB
-    pages of 2 MiB slots -- gets 8 MiB slots (64 MiB pages, a quarter of the driver calls); a model of 32
-    layers or more keeps 2 MiB slots. The scheduler and every worker compute the same plan.
+    Why: the driver's cost is per physical handle, not per byte (~40-60 us to back a 2 MiB or a 32 MiB slot
+    on an H200), so a burst's growth costs the data plane time in proportion to the number of slots, and
+    on an H200 a small model's prefill outruns 2 MiB slots: bursts from idle waited 75 ms (8 layers) and
+    90 ms (22 layers) for background maps, 11 ms with 8 MiB slots and 1 ms with 32 MiB slots (8 layers).
+    A logical page is also the least an idle pool holds (the null block's page), so pages stay within
+    ~256 MiB: 8 layers get 32 MiB slots, 22 or 32 layers 8 MiB, 80 layers keep 2 MiB. The scheduler and
+    every worker compute the same plan.
     """
 
     def plan(page_size: int) -> BlockGeometry:
