@@ -238,7 +238,7 @@ def _per_tensor_config(num_layers: int, num_blocks: int) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("layers", "slot_mib"), [(2, 32), (8, 32), (12, 16), (22, 8), (32, 8), (80, 2), (160, 2)]
+    ("layers", "slot_mib"), [(2, 8), (8, 8), (22, 8), (32, 8), (48, 4), (64, 4), (80, 2), (160, 2)]
 )
 def test_automatic_slot_size_keeps_pages_within_256_mib(layers: int, slot_mib: int) -> None:
     """GPUs without a configured page size: the fewest driver handles whose page stays within 256 MiB."""

@@ -40,7 +40,7 @@ __all__ = [
 # The automatic slot size (GPUs, when the user sets no page size) keeps logical pages within this many
 # bytes, with slots of at most AUTO_SLOT_MAX: see pool_geometry.
 AUTO_PAGE_BYTES = 256 << 20
-AUTO_SLOT_MAX = 32 << 20
+AUTO_SLOT_MAX = 8 << 20
 
 
 def _spec_of(kv_cache_config: Any, layer: str) -> Any:
@@ -142,8 +142,8 @@ def pool_geometry(
     on an H200 a small model's prefill outruns 2 MiB slots: bursts from idle waited 75 ms (8 layers) and
     90 ms (22 layers) for background maps, 11 ms with 8 MiB slots and 1 ms with 32 MiB slots (8 layers).
     A logical page is also the least an idle pool holds (the null block's page), so pages stay within
-    ~256 MiB: 8 layers get 32 MiB slots, 22 or 32 layers 8 MiB, 80 layers keep 2 MiB. The scheduler and
-    every worker compute the same plan.
+    256 MiB, and slots within 8 MiB (the size measured end to end): up to 32 layers get 8 MiB slots, 64
+    layers 4 MiB, 80 layers keep 2 MiB. The scheduler and every worker compute the same plan.
     """
 
     def plan(page_size: int) -> BlockGeometry:
