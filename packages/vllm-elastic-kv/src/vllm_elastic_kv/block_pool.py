@@ -66,7 +66,7 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue = FreeKVCacheBlockQueue([])
         self.ledger: Ledger | None = None
         self._stash: list[int] = []  # ids taken from the ledger by admission, not yet handed out
-        self._strict = False  # admission could not back its bound: count backed blocks only
+        self._strict = False  # admission could not back its bound: count held blocks only
         self._native_count = False  # reset_prefix_cache: count free blocks as vLLM does
         # True while the scheduler schedules a step, and around the first try of an admission: only blocks
         # the pool holds count (free on backed pages, cached), so an allocation that fits needs no new page.
@@ -120,7 +120,8 @@ class ElasticBlockPool(BlockPool):
     # -- allocation -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def counting(self, backed_only: bool) -> Iterator[None]:
-        """Within the block, ``get_num_free_blocks`` counts backed free blocks only, or not."""
+        """Within the block, ``get_num_free_blocks`` counts only the blocks the pool holds (free blocks on
+        backed pages, evictable cached blocks), or, with ``backed_only=False``, every block it could get."""
         previous, self.backed_only = self.backed_only, backed_only
         try:
             yield
@@ -130,7 +131,7 @@ class ElasticBlockPool(BlockPool):
     @contextlib.contextmanager
     def admission(self, bound: int) -> Iterator[None]:
         """Within the block, up to ``bound`` blocks can be allocated without mapping; if that could not be
-        arranged, ``get_num_free_blocks`` counts backed blocks only. Unused ids go back on exit."""
+        arranged, ``get_num_free_blocks`` counts held blocks only. Unused ids go back on exit."""
         ledger = self.ledger
         assert ledger is not None and not self._stash and not self._strict
         if ledger.free_backed_blocks + self.free_block_queue.num_free_blocks < bound:

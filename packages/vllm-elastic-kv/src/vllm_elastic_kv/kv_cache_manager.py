@@ -9,14 +9,14 @@ counts only backed blocks, and vLLM's own check then turns the shortage into a n
 state has to be rolled back, because nothing was changed before the check.
 
 The per-request call of a running request, once per scheduled request and step, is the hot path: while
-the scheduler schedules a step, the pool counts backed free blocks only (``ElasticBlockPool.backed_only``,
-set once per step by the elastic scheduler), so that call goes straight to vLLM and needs the admission
-below only if vLLM says no.
+the scheduler schedules a step, the pool counts only the blocks it holds -- free blocks on backed pages and
+evictable cached blocks (``ElasticBlockPool.backed_only``, set once per step by the elastic scheduler) -- so
+that call goes straight to vLLM and needs the admission below only if vLLM says no.
 
 The bound: per KV cache group, ``cdiv(new + lookahead + external + encoder tokens, block size) + 2`` (one
 block for a partial block boundary, one for a copy-on-write of a partially hit prefix block). When the
 backed free blocks cover the bound, nothing else happens (an integer comparison). Otherwise vLLM's call is
-first tried counting backed free blocks only -- most calls (decode steps that need no new block) succeed
+first tried counting held blocks only -- most calls (decode steps that need no new block) succeed
 right there, without mapping or evicting -- and only if vLLM says no, admission backs the bound and vLLM's
 call runs again, counting every block the pool could provide. vLLM changes nothing before it returns
 ``None`` (it only drops blocks that left a sliding window, which a second call does not repeat), and its
@@ -74,8 +74,8 @@ class ElasticKVCacheManager(KVCacheManager):
                 kwargs["num_lookahead_tokens"] = num_lookahead_tokens
             return _vllm_allocate_slots(self, request, num_new_tokens, *args, **kwargs)
         if pool.backed_only and not args and not kwargs:
-            # The running-request call, inside the scheduler's step, where the pool counts backed free blocks
-            # only. A running request has no watermark and no reserved blocks, so vLLM admits it against
+            # The running-request call, inside the scheduler's step, where the pool counts the blocks it
+            # holds. A running request has no watermark and no reserved blocks, so vLLM admits it against
             # them exactly when the bound would have found them enough (it needs at most the bound).
             if num_lookahead_tokens is None:
                 blocks = _vllm_allocate_slots(self, request, num_new_tokens)
@@ -101,15 +101,15 @@ class ElasticKVCacheManager(KVCacheManager):
         tried_backed: bool,
     ) -> Any:
         """``allocate_slots`` when the backed free blocks may not cover the call (see the module docstring);
-        ``tried_backed``: the call was already tried counting backed free blocks only, and vLLM said no."""
+        ``tried_backed``: the call was already tried counting held blocks only, and vLLM said no."""
         ledger = pool.ledger
         assert ledger is not None
         bound = admission_bound(self._block_sizes, args, kwargs)
         if ledger.free_backed_blocks >= bound:
             return _vllm_allocate_slots(self, request, *args, **kwargs)  # backed already: nothing to do
         if not tried_backed:
-            # The bound overestimates (most decode calls need no block at all): first try with the backed
-            # free blocks only; vLLM returns None before changing anything if they do not suffice, and
+            # The bound overestimates (most decode calls need no block at all): first try with the held
+            # blocks only; vLLM returns None before changing anything if they do not suffice, and
             # retrying allocate_slots after a None is what vLLM's own scheduler does between preemptions.
             with pool.counting(backed_only=True):
                 blocks = _vllm_allocate_slots(self, request, *args, **kwargs)

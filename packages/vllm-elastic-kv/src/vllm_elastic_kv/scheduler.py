@@ -8,7 +8,7 @@ picks the one matching ``async_scheduling``). They change three things:
   construction code builds them with its own arguments (:func:`vllm_elastic_kv.compat.scoped_attribute`;
   restored when construction ends). Then the pool is connected to the ledger and the workers
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
-* ``schedule``: while vLLM schedules the step, the pool counts backed free blocks only (the running
+* ``schedule``: while vLLM schedules the step, the pool counts only the blocks it holds (the running
   requests' fast path); after it, the step's release epoch starts and the pool does its housekeeping
   (reserve, ``kvctl`` limit);
 * ``update_from_output``: pages emptied while that step could still read them are released now; when no
@@ -76,7 +76,7 @@ class ElasticSchedulerMixin:
         self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule``, counting backed free blocks only for its running requests (see
+        """vLLM's ``schedule``, counting only the blocks the pool holds for its running requests (see
         :mod:`vllm_elastic_kv.kv_cache_manager`); the returned step carries its release epoch."""
         with self.elastic_pool.block_pool.counting(backed_only=True):
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
