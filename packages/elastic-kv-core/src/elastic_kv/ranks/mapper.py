@@ -30,10 +30,9 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 from elastic_kv.errors import StateConsistencyError
-from elastic_kv.mapper import MapResult
+from elastic_kv.mapper import MapResult, PageMapper
 from elastic_kv.ranks.coordinator import _short
 
 __all__ = ["CoordinatorMapper"]
@@ -45,20 +44,14 @@ _RELEASE = 0  # the job id of releases (map jobs count from 1)
 _RELEASE_RETRY_S = (0.05, 0.5)
 
 
-class _Coordinator(Protocol):
-    def map(self, pages: Sequence[int]) -> None: ...
-
-    def unmap(self, pages: Sequence[int]) -> None: ...
-
-
 class CoordinatorMapper:
-    """See the module docstring. ``inner`` is the coordinator (anything with ``map`` and ``unmap``).
+    """See the module docstring. ``inner`` is the coordinator (any synchronous ``PageMapper``).
 
     ``calls`` counts the synchronous maps: each made the calling thread (an engine's scheduler) wait for
     the ranks' driver. ``async_jobs`` counts background maps, ``releases`` queued releases.
     """
 
-    def __init__(self, inner: _Coordinator, *, name: str = "elastic-kv-mapper") -> None:
+    def __init__(self, inner: PageMapper, *, name: str = "elastic-kv-mapper") -> None:
         self.inner = inner
         self.calls = 0
         self.async_jobs = 0
