@@ -288,16 +288,36 @@ def test_eviction_follows_physical_headroom(env: pytest.MonkeyPatch) -> None:
 
 
 def test_radix_bound_evicts_the_excess(paged_setup: tuple[Any, Any]) -> None:
-    from sglang_elastic_kv.hooks import bound_prefix_cache_after
+    from sglang_elastic_kv.hooks import release_kv_cache_after
 
     pool, alloc = paged_setup
     cache = _radix(alloc, 16)
     for i in range(6):
         _insert(cache, alloc, 100 * i, 64)
     assert cache.evictable_size() == 384
-    bound_prefix_cache_after(128, None, None, cache)
+    release_kv_cache_after(0, None, None, cache)  # no bound, within the limit: the cache keeps everything
+    assert cache.evictable_size() == 384
+    release_kv_cache_after(128, None, None, cache)
     assert cache.evictable_size() <= 128
     assert pool.elastic.ledger.used_blocks == cache.evictable_size() // 16
+
+
+def test_radix_cache_yields_everything_while_the_pool_is_over_its_limit(paged_setup: tuple[Any, Any]) -> None:
+    """kvctl lowered the limit below what the cache keeps backed: after the next release the cache gives
+    back every evictable entry (bound or not), so the pool can come back within the limit."""
+    from sglang_elastic_kv.hooks import release_kv_cache_after
+
+    pool, alloc = paged_setup
+    ledger = pool.elastic.ledger
+    cache = _radix(alloc, 16)
+    for i in range(6):
+        _insert(cache, alloc, 100 * i, 64)
+    ledger.resize(ledger.charged_bytes - 1)  # one byte below what the cached entries keep backed
+    assert alloc.elastic_over_limit()
+    release_kv_cache_after(1024, None, None, cache)
+    assert cache.evictable_size() == 0 and ledger.used_blocks == 0
+    ledger.release_through(ledger.epoch)
+    assert not alloc.elastic_over_limit()
 
 
 # -- hooks ------------------------------------------------------------------------------------------------

@@ -229,7 +229,8 @@ def generate_under_lowered_limit(
         log = engine.log_path.read_text()
         assert "KV cache pool is full. Retract requests." in log
         assert "Out of memory" not in log
-        assert settled_snapshot(registry_dir, name, lambda s: s.mapped_bytes <= limit).mapped_bytes <= limit
+        settled = settled_snapshot(registry_dir, name, lambda s: s.mapped_bytes <= limit)
+        assert settled.mapped_bytes <= limit, f"the pool stayed over its limit of {limit} bytes: {settled}"
     finally:
         Registry(registry_dir).set_limit(name, 0)
     outputs: list[list[int]] = result[0]

@@ -150,6 +150,11 @@ class KVCacheManager(PageBacking):
         """Live blocks issued to the engine (the null block excluded)."""
         return self._live_count() - (self._null is not None)
 
+    def over_limit(self) -> bool:
+        """True while the pool holds more than its limit (``kvctl limit`` lowered it below what is backed):
+        it is shrinking, and memory comes back only as blocks are freed."""
+        return self._phys.over_limit()
+
     @property
     def free_backed_blocks(self) -> int:
         """Free blocks on backed pages (partly used, reserve, pending): what ``alloc`` serves without a

@@ -117,6 +117,10 @@ class ElasticAllocatorMixin:
         """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
         raise NotImplementedError
 
+    def elastic_over_limit(self) -> bool:
+        """True while the pool holds more than its limit (``kvctl`` lowered it): it is shrinking."""
+        return self._ledger.over_limit()
+
     def elastic_limit_room(self) -> int | None:
         """Token slots the pool could hold beyond its live blocks under its own limit (negative while it is
         over the limit and shrinking); None when the pool has no limit. Page-granular, so an estimate."""

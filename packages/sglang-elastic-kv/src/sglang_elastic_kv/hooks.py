@@ -19,9 +19,11 @@
 5. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
    release (``clear()`` returns every block); the hook also puts the pool to sleep, so that its idle
    housekeeping does not map a reserve again until ``resume``.
-6. ``release_kv_cache`` (AFTER), only with ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` > 0: after a request's
-   KV row went to the prefix cache, evict the excess over the bound through the cache's own ``evict``
-   (any tree cache: ``UnifiedRadixCache``, the engine default, and ``RadixCache`` alike).
+6. ``release_kv_cache`` (AFTER): after a request's KV row went to the prefix cache, the cache gives back
+   what the pool cannot keep, through its own ``evict`` (any tree cache: ``UnifiedRadixCache``, the engine
+   default, and ``RadixCache`` alike): everything evictable while the pool is over its limit (``kvctl``
+   lowered it below use: cached entries would otherwise keep their pages backed for good), else the excess
+   over ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` when that bound is set.
 """
 
 from __future__ import annotations
@@ -48,9 +50,8 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
     registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
     registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
-    if config.max_cached_tokens > 0:
-        bound = functools.partial(bound_prefix_cache_after, config.max_cached_tokens)
-        registry.register(seams.release_kv_cache, bound, hook_type.AFTER)
+    bound = functools.partial(release_kv_cache_after, config.max_cached_tokens)
+    registry.register(seams.release_kv_cache, bound, hook_type.AFTER)
 
 
 def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:
@@ -177,15 +178,21 @@ def resume_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: 
         allocator.elastic_wake()
 
 
-def bound_prefix_cache_after(
+def release_kv_cache_after(
     max_cached_tokens: int, result: Any, req: Any, tree_cache: Any, *a: Any, **k: Any
 ) -> None:
-    """After a release, evict what the prefix cache holds beyond ``max_cached_tokens`` (LRU first)."""
+    """After a release, evict (LRU first) everything evictable from the prefix cache while its pool is over
+    its limit, else what it holds beyond ``max_cached_tokens`` (0: no bound)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     if tree_cache is None or not tree_cache.supports_prefix_sharing():
         return None
-    excess = int(tree_cache.evictable_size()) - max_cached_tokens
+    evictable = int(tree_cache.evictable_size())
+    allocator: Any = getattr(tree_cache, "token_to_kv_pool_allocator", None)
+    if evictable and is_elastic_allocator(allocator) and allocator.elastic_over_limit():
+        excess = evictable
+    else:
+        excess = evictable - max_cached_tokens if max_cached_tokens > 0 else 0
     if excess > 0:
         tree_cache.evict(EvictParams(num_tokens=excess))
     return None

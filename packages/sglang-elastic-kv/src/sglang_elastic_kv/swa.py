@@ -280,6 +280,10 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             violations += [f"{part}: {text}" for text in sub.verify_byte_accounting()]
         return violations
 
+    def elastic_over_limit(self) -> bool:
+        """True while either pool holds more than its limit."""
+        return self.full_attn_allocator.elastic_over_limit() or self.swa_attn_allocator.elastic_over_limit()
+
     def elastic_sleep(self) -> None:
         """Both pools released their KV memory (``release_memory_occupation``): unmap both reserves."""
         self.full_attn_allocator.elastic_sleep()
