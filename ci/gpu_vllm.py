@@ -318,7 +318,7 @@ def _child(args: argparse.Namespace) -> None:
     pauses = _GcPauses()
     sampler = _Sampler(probe)
     first_burst: list[dict[str, Any]] = []
-    seconds, out_tokens, cpu, per_burst = 0.0, 0, 0.0, []
+    seconds, cpu, per_burst = 0.0, 0.0, []
     with sampler, pauses:
         for line in sys.stdin:
             command = json.loads(line)
@@ -334,7 +334,7 @@ def _child(args: argparse.Namespace) -> None:
             timeline.on = sampler.active = False
             took, cpu = time.perf_counter() - t1, cpu + time.thread_time() - cpu0
             made = sum(len(o.outputs[0].token_ids) for o in outs)
-            seconds, out_tokens = seconds + took, out_tokens + made
+            seconds += took
             per_burst.append(round(made / took, 1))
             if not first_burst:
                 first_burst = list(sampler.samples)
