@@ -50,8 +50,8 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
     registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
     registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
-    bound = functools.partial(release_kv_cache_after, config.max_cached_tokens)
-    registry.register(seams.release_kv_cache, bound, hook_type.AFTER)
+    release = functools.partial(release_kv_cache_after, config.max_cached_tokens)
+    registry.register(seams.release_kv_cache, release, hook_type.AFTER)
 
 
 def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:

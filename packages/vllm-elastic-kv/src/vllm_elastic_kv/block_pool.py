@@ -156,11 +156,11 @@ class ElasticBlockPool(BlockPool):
             return super().get_new_blocks(num_blocks)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        ids = None
-        if not self._stash and not self._strict:
-            ids = ledger.alloc(num_blocks)  # the common case, a decode step's block: the ledger has it
+        plain = not self._stash and not self._strict  # outside an admission
+        # The common case, a decode step's block: the ledger has it.
+        ids = ledger.alloc(num_blocks) if plain else None
         if ids is None:
-            ids = self._take_ids(num_blocks, ledger_refused=not self._stash and not self._strict)
+            ids = self._take_ids(num_blocks, ledger_refused=plain)
         # vLLM's get_new_blocks pops from the front: our fresh blocks, then the oldest cached ones. Every
         # counting mode counts the queue, so its own check sees the blocks just queued.
         blocks = self.blocks
