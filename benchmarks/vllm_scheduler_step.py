@@ -6,8 +6,9 @@ adds there shows up one for one in tokens per second. This script times exactly 
 engine: two schedulers built from one ``VllmConfig`` and one ``KVCacheConfig`` (vLLM's own sizing), the native
 ``Scheduler`` and the plugin's ``ElasticScheduler`` with everything the engine core holds -- the real ledger,
 the shared registry record, the coordinator, the background pre-map thread -- and the worker's side in the
-same process, as with TP=1 on a GPU: a real ``Rank`` serving a real ``SpaceGroup`` on host memory behind its
-``SocketListener`` thread. The model runner is replaced by one sampled token per scheduled request.
+same process, as with TP=1 on a GPU: a real ``Rank`` serving a real ``SpaceGroup`` on host memory, which the
+coordinator calls directly (``--socket``: through its ``SocketListener`` thread, as with several ranks).
+The model runner is replaced by one sampled token per scheduled request.
 
 Workload (the GPU run's): ``--requests`` concurrent requests of ``--prompt`` tokens generating ``--output``
 tokens each, 16-token blocks; with ``--churn`` a finished request is replaced at once, so the batch stays
@@ -144,14 +145,16 @@ def _configs(args: argparse.Namespace, elastic: bool) -> tuple[Any, Any]:
 
 
 class WorkerSide:
-    """The worker's share of the pool in this process (TP=1): spaces, group, rank, socket listener."""
+    """The worker's share of the pool in this process (TP=1): spaces, group, rank, socket listener; the rank
+    is listed as served here unless ``socket``, as the worker lists it in an engine."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, socket: bool) -> None:
         from elastic_kv import _vmm
         from elastic_kv.ranks import Rank, SocketListener, socket_path
         from vllm_elastic_kv import compat
         from vllm_elastic_kv.config import PluginConfig
         from vllm_elastic_kv.layout import planned_geometry
+        from vllm_elastic_kv.worker_pool import serve_locally
 
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
@@ -165,9 +168,15 @@ class WorkerSide:
         self.rank.add_pool(self.group, backend=self.backend, handle_pool=handles)
         assert plugin.instance is not None
         self.listener = SocketListener(self.rank, socket_path(plugin.instance, 0))
+        self.instance = plugin.instance
+        if not socket:
+            serve_locally(plugin.instance, self.rank)
         self.geometry = geo
 
     def close(self) -> None:
+        from vllm_elastic_kv.worker_pool import serve_locally
+
+        serve_locally(self.instance, None)
         self.listener.close()
         self.group.close()
 
@@ -185,7 +194,7 @@ def _scheduler(args: argparse.Namespace, elastic: bool) -> tuple[Any, WorkerSide
 
         vllm_elastic_kv.register()
     vllm_config, kv_cache_config = _configs(args, elastic)
-    worker = WorkerSide(vllm_config, kv_cache_config) if elastic else None
+    worker = WorkerSide(vllm_config, kv_cache_config, args.socket) if elastic else None
     if elastic:
         from vllm_elastic_kv.scheduler import ElasticAsyncScheduler, ElasticScheduler
 
@@ -284,6 +293,7 @@ def main() -> None:
         "--bursts", type=int, default=0, help="instead of steps: N bursts from idle, alternating"
     )
     parser.add_argument("--async", dest="async_scheduling", action="store_true", help="async scheduling")
+    parser.add_argument("--socket", action="store_true", help="reach the rank through its socket listener")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile both sides; print the functions that differ most"
     )

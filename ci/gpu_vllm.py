@@ -12,6 +12,8 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
   the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
 * engine start-up time, elastic - native (elastic starts first, so a compile cache can only help native);
+* each engine runs on CPU cores of its own (``--no-pin`` to share them): the idle engine's threads, and the
+  scheduler's migrations between cores, then cannot slow the other's engine thread;
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
@@ -19,7 +21,8 @@ worker is in-process too) so the script can read the scheduler's pool and the wo
 both backends run that way. The native run excludes the plugin (``VLLM_PLUGINS=""``); the elastic run calls
 ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on ``PYTHONPATH`` is enough.
 
-    python3 ci/gpu_vllm.py [--requests 256] [--prompt 256] [--output 128] [--bursts 5] [--out DIR]
+    python3 ci/gpu_vllm.py [--model tiny|1b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
+                           [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -73,6 +76,31 @@ MODELS: dict[str, dict[str, int]] = {
         "num_key_value_heads": 4,
     },
 }
+
+
+def _core_groups() -> list[list[int]]:
+    """The CPUs this process may use, grouped by physical core (hyper-thread siblings together)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    groups: dict[str, list[int]] = {}
+    for cpu in allowed:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+        except OSError:
+            siblings = str(cpu)
+        groups.setdefault(siblings.strip(), []).append(cpu)
+    return sorted(groups.values())
+
+
+def _cpu_split() -> dict[str, list[int]] | None:
+    """Whole physical cores for each engine and the rest (at least one core) for this process; None when
+    there are too few cores to give each engine three."""
+    cores = _core_groups()
+    each = (len(cores) - 1) // 2
+    if each < 3:
+        return None
+    parts = (cores[:each], cores[each : 2 * each], cores[2 * each :])
+    elastic, native, parent = (sorted(c for core in part for c in core) for part in parts)
+    return {"elastic": elastic, "native": native, "parent": parent}
 
 
 def _model_dir(root: Path, model: str) -> Path:
@@ -151,8 +179,8 @@ class _Timeline:
     the engine core's step phases (``schedule``, the model's ``execute``, ``update`` from its output), the KV
     cache manager's ``allocate_slots`` inside ``schedule`` and, with the elastic backend, the pool's own
     hooks, the scheduler thread's waits for the driver (synchronous maps, background maps it needs now),
-    and the worker rank's request handling on the rank's listener thread. Wall well above CPU means the
-    thread waited: for the GPU, the driver, or the interpreter lock.
+    and the worker rank's request handling (on the scheduler's mapper thread: the worker is in-process).
+    Wall well above CPU means the thread waited: for the GPU, the driver, or the interpreter lock.
     """
 
     def __init__(self) -> None:
@@ -257,7 +285,8 @@ def _child(args: argparse.Namespace) -> None:
         timeline.wrap(pool.mapper, "unmap", "elastic: scheduler thread waits for unmap")
         timeline.wrap(pool.mapper, "collect", "elastic: scheduler thread collects background maps")
     if worker_pool is not None and worker_pool.rank is not None:
-        timeline.wrap(worker_pool.rank, "handle", "elastic: rank requests (listener thread)")
+        # Whoever carries the requests (the mapper's thread directly, or a socket listener) calls this.
+        timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (mapper thread)")
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()
@@ -408,6 +437,8 @@ class _Engine:
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--profile", "--out", args.out] if args.profile else []
         cmd += ["--gc-freeze"] if args.gc_freeze else []
+        if args.cpu_split is not None:
+            cmd += ["--cpus", ",".join(map(str, args.cpu_split[backend]))]
         self.backend = backend
         self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
         env = {**os.environ, **ENV}
@@ -476,7 +507,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
-    parser.add_argument("--bursts", type=int, default=11, help="rounds: bursts per engine (median taken)")
+    parser.add_argument("--bursts", type=int, default=21, help="rounds: bursts per engine (median taken)")
     parser.add_argument(
         "--model", choices=sorted(MODELS), default="tiny", help="model shape (random weights)"
     )
@@ -489,10 +520,18 @@ def main() -> None:
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="let the engines share CPU cores")
+    parser.add_argument("--cpus", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.cpus:  # before vLLM and torch start their threads: they inherit it
+            os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
         _child(args)
         return
+    split = _cpu_split() if args.pin else None
+    args.cpu_split = split
+    if split is not None:
+        os.sched_setaffinity(0, split["parent"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-")), args.model))
     # Elastic starts first: a compile cache the first engine leaves can only shorten native's start-up.
@@ -514,6 +553,9 @@ def main() -> None:
     same = native["tokens"] == elastic["tokens"]
     ratios = [e / n for n, e in rounds]
     ratio = statistics.median(ratios)
+    # The spread of the rounds, as a 95 % interval of their mean (normal approximation): a ratio goal
+    # closer to the median than this is within the machine's noise.
+    spread = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     idle_ok = elastic["charged_after"] <= elastic["page_bytes"] + elastic["reserve_max_bytes"]
     steady = elastic["steady_decode"]
     share = steady["driver_steps"] / steady["steps"] if steady["steps"] else float("nan")
@@ -539,7 +581,8 @@ def main() -> None:
         f"{_gib(elastic['charged_after'])} (reserve cap {_gib(elastic['reserve_max_bytes'])}, page "
         f"{elastic['page_bytes'] >> 20} MiB = {elastic['blocks_per_page']} blocks)",
         f"throughput: elastic / native {ratio:.4f} (median of {len(rounds)} rounds, each a burst on both "
-        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); over all rounds "
+        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); mean "
+        f"{statistics.fmean(ratios):.4f} +- {spread:.4f} (95 %); over all rounds "
         f"{native['burst_seconds'] / elastic['burst_seconds']:.4f} (same tokens, total time); tok/s native "
         f"{[round(n) for n, _ in rounds]}, elastic {[round(e) for _, e in rounds]}",
         f"decode steps that waited for the driver: {steady['driver_steps']}/{steady['steps']} in steady "
@@ -559,6 +602,12 @@ def main() -> None:
         )
         + f", other {_other(native)} / {_other(elastic)}",
         *(f"  {k}: {_per_burst(elastic, k)} ms" for k in elastic["timeline"] if k.startswith("elastic")),
+        "CPUs: "
+        + (
+            ", ".join(f"{k} {v}" for k, v in args.cpu_split.items())
+            if args.cpu_split
+            else f"shared ({os.cpu_count()})"
+        ),
         f"start-up: native {native['startup_s']} s, elastic {elastic['startup_s']} s, "
         f"delta {elastic['startup_s'] - native['startup_s']:+.2f} s",
         "checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in checks.items()),

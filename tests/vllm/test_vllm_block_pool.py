@@ -317,3 +317,25 @@ def test_running_request_inside_a_step_takes_backed_blocks_then_admission(limit_
         assert blocks is not None and stack.backed(_blocks(stack, req))
         assert stack.group.num_mapped == mapped + 1
     assert not stack.pool.backed_only and not stack.pool._stash
+
+
+def test_scheduler_calls_a_rank_in_its_own_process_directly() -> None:
+    from elastic_kv.ranks import InProcessTransport, Rank, SocketTransport
+    from vllm_elastic_kv import worker_pool
+    from vllm_elastic_kv.scheduler_pool import _transport
+
+    rank = Rank(0)
+    worker_pool.serve_locally("engine-a", rank)
+    try:
+        assert worker_pool.local_rank("engine-a", 0) is rank
+        direct = _transport("engine-a", 1)
+        assert isinstance(direct, InProcessTransport) and direct.world_size == 1
+        # Another engine's rank, or ranks in other processes (TP > 1): sockets.
+        for instance, world in (("engine-b", 1), ("engine-a", 2)):
+            remote = _transport(instance, world)
+            assert isinstance(remote, SocketTransport) and remote.world_size == world
+            remote.close()
+    finally:
+        worker_pool.serve_locally("engine-a", None)
+    assert worker_pool.local_rank("engine-a", 0) is None
+    assert isinstance(_transport("engine-a", 1), SocketTransport)

@@ -206,6 +206,26 @@ def test_zeroing_target_zeroes_exactly_the_new_pages_blocks() -> None:
     group.close()
 
 
+def test_zeroing_target_zeroes_runs_of_neighbouring_pages_and_nothing_between() -> None:
+    page = 4 * KIB
+    backend = _vmm.HostBackend()
+    space = _vmm.TensorSpace(backend, 64 * KIB, page)
+    from elastic_kv.geometry import BlockFamily, BlockGeometry
+
+    geo = BlockGeometry([64 * KIB], [BlockFamily(0, 0, KIB, KIB)], 64, page)  # dense: 4 blocks a page
+    group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 1 << 20))
+    flat = torch.from_dlpack(space)
+    target = _ZeroingTarget(group, geo, [flat])
+    target.map(range(6))
+    flat[: 6 * page].fill_(7)
+    target.unmap([1, 2, 4])
+    target.map([4, 1, 2])  # reused handles, out of order: pages 1-2 are one run, page 4 another
+    per_page = flat[: 6 * page].view(6, page)
+    assert [bool(per_page[p].any()) for p in range(6)] == [True, False, False, True, False, True]
+    assert bool((per_page[[0, 3, 5]] == 7).all())
+    group.close()
+
+
 def test_model_features_are_named() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 

@@ -4,10 +4,12 @@
 are serving their ranks by then) and wires:
 
 * the **geometry** planned from the ``KVCacheConfig`` (:func:`vllm_elastic_kv.layout.pool_geometry`);
-* the **coordinator** (``elastic_kv.ranks.Coordinator``) over a ``SocketTransport`` to every worker's rank,
-  at ``socket_path(instance, rank)`` -- the handshake checks that every rank serves the same pages -- driven
-  through a ``CoordinatorMapper``: the reserve is pre-mapped, and pages are released, on its background
-  thread, so a step waits for the workers' driver only when it must map a page now;
+* the **coordinator** (``elastic_kv.ranks.Coordinator``) over the workers' ranks -- the handshake checks
+  that every rank serves the same pages -- driven through a ``CoordinatorMapper``: the reserve is
+  pre-mapped, and pages are released, on its background thread, so a step waits for the workers' driver
+  only when it must map a page now. The transport: a direct call (``InProcessTransport``) when the one
+  worker runs in this process (vLLM's ``UniProcExecutor``, the default for one GPU), else a
+  ``SocketTransport`` to every worker's rank at ``socket_path(instance, rank)``;
 * the pool's **record** in the shared registry (``kvctl list`` shows it; ``kvctl limit`` steers it);
 * the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
@@ -26,13 +28,14 @@ import re
 from typing import Any
 
 from elastic_kv.ledger import KVCacheManager as Ledger
-from elastic_kv.ranks import Coordinator, CoordinatorMapper, SocketTransport
+from elastic_kv.ranks import Coordinator, CoordinatorMapper, InProcessTransport, SocketTransport, Transport
 from elastic_kv.registry import PoolRecord
 
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import pool_geometry
+from vllm_elastic_kv.worker_pool import local_rank
 
 __all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
 
@@ -60,6 +63,15 @@ def _device_name(vllm_config: Any) -> str:
         return str(current_platform.get_device_uuid(0))
     except Exception:
         return "cuda:0"
+
+
+def _transport(instance: str, world: int) -> Transport:
+    """A direct call to the rank when the only worker runs in this process, else Unix sockets."""
+    rank = local_rank(instance, 0) if world == 1 else None
+    if rank is not None:
+        logger.debug("elastic KV: the worker's rank runs in the scheduler's process; calling it directly")
+        return InProcessTransport([rank])
+    return SocketTransport.for_instance(instance, world)
 
 
 class StepEpochs:
@@ -130,7 +142,7 @@ class SchedulerPool:
         )
         cfg = dataclasses.replace(plugin.elastic, defer_release=True, page_size=self.geometry.page_size)
         world = vllm_config.parallel_config.world_size
-        self.transport = SocketTransport.for_instance(plugin.instance, world)
+        self.transport = _transport(plugin.instance, world)
         self.coordinator = Coordinator(self.transport, handshake_timeout=_HANDSHAKE_TIMEOUT_S)
         if self.coordinator.num_pages != self.geometry.num_pages:
             raise RuntimeError(

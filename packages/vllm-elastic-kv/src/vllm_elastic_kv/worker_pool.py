@@ -7,7 +7,10 @@ Life cycle (driven by :class:`vllm_elastic_kv.worker.ElasticWorkerMixin`):
 2. :meth:`WorkerPool.finish` -- once vLLM bound the per-layer views to its attention layers: the geometry
    of those real views (pages as the scheduler planned them), a ``SpaceGroup`` over the spaces, a
    :class:`~elastic_kv.ranks.Rank` serving it, and a :class:`~elastic_kv.ranks.SocketListener` on
-   ``socket_path(instance, rank)``, where the scheduler's coordinator finds it;
+   ``socket_path(instance, rank)``, where the scheduler's coordinator finds it. The rank is also listed
+   in this process (:func:`local_rank`): when the scheduler runs in the worker's process (one rank,
+   vLLM's ``UniProcExecutor``) its coordinator calls the rank directly, with no socket, no encoding and
+   no listener thread between them;
 3. :meth:`WorkerPool.close` -- stop listening, release every page and the spaces.
 
 The scheduler decides every map and unmap; this side only executes them. Newly mapped pages are zeroed
@@ -33,9 +36,29 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import check_plan, observed_geometry, pool_geometry
 
-__all__ = ["WorkerPool", "make_backend"]
+__all__ = ["WorkerPool", "local_rank", "make_backend", "serve_locally"]
 
 logger = logging.getLogger(__name__)
+
+# The ranks this process serves, by (engine instance, rank index): see local_rank.
+_LOCAL_RANKS: dict[tuple[str, int], Rank] = {}
+
+
+def local_rank(instance: str, rank: int) -> Rank | None:
+    """The rank ``rank`` of engine ``instance`` if this process serves it (its worker runs here), else
+    None."""
+    return _LOCAL_RANKS.get((instance, rank))
+
+
+def serve_locally(instance: str, rank: Rank | None) -> None:
+    """List ``rank`` (its index is ``rank.rank``) as served by this process for engine ``instance``, so that
+    a scheduler in this process calls it directly; ``serve_locally(instance, None)`` withdraws every rank
+    of ``instance`` listed here."""
+    if rank is None:
+        for key in [k for k in _LOCAL_RANKS if k[0] == instance]:
+            del _LOCAL_RANKS[key]
+    else:
+        _LOCAL_RANKS[(instance, rank.rank)] = rank
 
 
 def make_backend(device: torch.device) -> Any:
@@ -79,17 +102,29 @@ class _ZeroingTarget:
 
     def _zero(self, pages: Sequence[int]) -> None:
         geo = self._geo
-        for page in pages:
-            blocks = geo.blocks_of(page)
+        for blocks in _block_runs(geo, pages):
             for fam in geo.families:
                 flat = self._flats[fam.space]
-                if fam.stride == fam.nbytes:  # dense: the page's blocks are one run
+                if fam.stride == fam.nbytes:  # dense: the run's blocks are one byte range
                     lo = fam.base + blocks.start * fam.stride
                     flat[lo : fam.base + blocks.stop * fam.stride].zero_()
                 else:
                     for b in blocks:
                         lo = fam.base + b * fam.stride
                         flat[lo : lo + fam.nbytes].zero_()
+
+
+def _block_runs(geometry: BlockGeometry, pages: Sequence[int]) -> list[range]:
+    """The blocks of ``pages`` as maximal runs of consecutive block ids: pages the ledger maps together
+    are mostly neighbours, and one memset per run and family costs what one per page did."""
+    runs: list[range] = []
+    for page in sorted(pages):
+        blocks = geometry.blocks_of(page)
+        if runs and runs[-1].stop == blocks.start:
+            runs[-1] = range(runs[-1].start, blocks.stop)
+        elif len(blocks):
+            runs.append(blocks)
+    return runs
 
 
 class WorkerPool:
@@ -178,6 +213,7 @@ class WorkerPool:
         self.rank.add_pool(target, backend=self.backend, handle_pool=self.handle_pool)
         assert self.plugin.instance is not None
         self.listener = SocketListener(self.rank, socket_path(self.plugin.instance, self.rank_index))
+        serve_locally(self.plugin.instance, self.rank)
         logger.info(
             "elastic KV rank %d serving %s on %s", self.rank_index, observed.describe(), self.backend.name
         )
@@ -203,6 +239,12 @@ class WorkerPool:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        if self.rank is not None and self.group is not None:
+            assert self.plugin.instance is not None
+            serve_locally(self.plugin.instance, None)
+            # A coordinator that still calls this rank directly gets UNKNOWN_POOL (it stops the pool, as a
+            # closed socket stops it) instead of reaching a closed group.
+            self.rank.remove_pool(0)
         if self.group is not None:
             self.group.close()
             self.group = None
