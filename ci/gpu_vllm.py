@@ -12,8 +12,10 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
   the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
 * engine start-up time, elastic - native (elastic starts first, so a compile cache can only help native);
-* each engine runs on CPU cores of its own (``--no-pin`` to share them): the idle engine's threads, and the
-  scheduler's migrations between cores, then cannot slow the other's engine thread;
+* CPU cores (``--pin``): by default both engines run on the same cores (one bursts while the other idles)
+  and this script on cores of its own; ``split`` gives each engine cores of its own, which on the lent
+  machine made the two core sets differ by ~15 % in the engine thread's CPU time per burst, every phase
+  alike (a bias, not the plugin's cost); ``none`` pins nothing;
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
@@ -91,14 +93,16 @@ def _core_groups() -> list[list[int]]:
     return sorted(groups.values())
 
 
-def _cpu_split() -> dict[str, list[int]] | None:
-    """Whole physical cores for each engine and the rest (at least one core) for this process; None when
-    there are too few cores to give each engine three."""
+def _cpu_split(mode: str) -> dict[str, list[int]] | None:
+    """CPUs (whole physical cores) for each engine and for this process (see ``--pin``); None when pinning
+    is off or there are too few cores to give each engine three."""
     cores = _core_groups()
     each = (len(cores) - 1) // 2
-    if each < 3:
+    if mode == "none" or each < 3:
         return None
     parts = (cores[:each], cores[each : 2 * each], cores[2 * each :])
+    if mode == "shared":
+        parts = (cores[: 2 * each], cores[: 2 * each], cores[2 * each :])
     elastic, native, parent = (sorted(c for core in part for c in core) for part in parts)
     return {"elastic": elastic, "native": native, "parent": parent}
 
@@ -239,13 +243,17 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     mem_get_info, synchronize, device = _memory_probe(args.cpu_smoke)
-    backend = args.child
+    backend = "native" if args.calibrate else args.child
     if backend == "elastic":
         # What the entry point does; explicit, so that the plugin's source folder on PYTHONPATH suffices
         # on a machine where it was not pip-installed (idempotent when the entry point ran too).
         import vllm_elastic_kv
 
         vllm_elastic_kv.register()
+        if args.socket:
+            from vllm_elastic_kv import scheduler_pool
+
+            scheduler_pool.local_rank = lambda instance, rank: None  # type: ignore[assignment]
     extra: dict[str, Any] = (
         {"additional_config": {"kv_cache_backend": "elastic"}} if backend == "elastic" else {}
     )
@@ -286,7 +294,7 @@ def _child(args: argparse.Namespace) -> None:
         timeline.wrap(pool.mapper, "collect", "elastic: scheduler thread collects background maps")
     if worker_pool is not None and worker_pool.rank is not None:
         # Whoever carries the requests (the mapper's thread directly, or a socket listener) calls this.
-        timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (mapper thread)")
+        timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (off the engine thread)")
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()
@@ -437,12 +445,14 @@ class _Engine:
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--profile", "--out", args.out] if args.profile else []
         cmd += ["--gc-freeze"] if args.gc_freeze else []
+        cmd += ["--socket"] if args.socket else []
+        cmd += ["--calibrate"] if args.calibrate else []
         if args.cpu_split is not None:
             cmd += ["--cpus", ",".join(map(str, args.cpu_split[backend]))]
         self.backend = backend
         self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
         env = {**os.environ, **ENV}
-        if backend == "native":
+        if backend == "native" or args.calibrate:
             env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in finish()
         self.proc = subprocess.Popen(
@@ -520,15 +530,23 @@ def main() -> None:
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")
-    parser.add_argument("--no-pin", dest="pin", action="store_false", help="let the engines share CPU cores")
+    parser.add_argument(
+        "--pin", choices=["shared", "split", "none"], default="shared", help="CPU cores of the engines"
+    )
     parser.add_argument("--cpus", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--socket", action="store_true", help="reach the worker's rank through its socket, not directly"
+    )
+    parser.add_argument(
+        "--calibrate", action="store_true", help="A/A: two native engines (the 'elastic' one too)"
+    )
     args = parser.parse_args()
     if args.child:
         if args.cpus:  # before vLLM and torch start their threads: they inherit it
             os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
         _child(args)
         return
-    split = _cpu_split() if args.pin else None
+    split = _cpu_split(args.pin)
     args.cpu_split = split
     if split is not None:
         os.sched_setaffinity(0, split["parent"])
@@ -550,8 +568,22 @@ def main() -> None:
     elastic_engine.close()
     native_engine.close()
 
-    same = native["tokens"] == elastic["tokens"]
     ratios = [e / n for n, e in rounds]
+    if args.calibrate:
+        total = native["burst_seconds"] / elastic["burst_seconds"]
+        print(
+            f"A/A (two native engines): ratio median {statistics.median(ratios):.4f}, mean "
+            f"{statistics.fmean(ratios):.4f}, total time {total:.4f} "
+            f"({', '.join(f'{x:.3f}' for x in ratios)}); engine-thread CPU "
+            f"{native['burst_thread_cpu_s']} / {elastic['burst_thread_cpu_s']} s; per burst "
+            + ", ".join(
+                f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}"
+                for key in ("schedule", "execute", "execute: sample", "update")
+            ),
+            flush=True,
+        )
+        return
+    same = native["tokens"] == elastic["tokens"]
     ratio = statistics.median(ratios)
     # The spread of the rounds, as a 95 % interval of their mean (normal approximation): a ratio goal
     # closer to the median than this is within the machine's noise.
