@@ -12,11 +12,15 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
   the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
 * engine start-up time, elastic - native (elastic starts first, so a compile cache can only help native);
-* CPU cores (``--pin``): by default both engines run on the same cores (one bursts while the other idles)
-  and this script on cores of its own; ``split`` gives each engine cores of its own, which on the lent
-  machine made the two core sets differ by ~15 % in the engine thread's CPU time per burst, every phase
-  alike (a bias, not the plugin's cost); ``none`` pins nothing;
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
+
+What limits the throughput ratio's precision is the engine *process*, not the rounds: two native engines
+(``--calibrate``, an A/A run) differed by 14 % in engine-thread CPU time per burst, every phase alike,
+although they ran the same code on the same cores. Fixing the address layout and hash seed of both
+processes (the default: ``setarch -R``, ``PYTHONHASHSEED=0``; ``--random-layout`` to keep them random)
+brought that to 7 %: compare an A/B run with an A/A run made the same way. CPU cores (``--pin``): by
+default both engines run on the same cores (one bursts while the other idles) and this script on cores
+of its own; ``split`` gives each engine cores of its own; ``none`` pins nothing.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;
@@ -38,6 +42,7 @@ import gc
 import json
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -440,6 +445,10 @@ class _Engine:
 
     def __init__(self, backend: str, args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "--child", backend, "--model-dir", args.model_dir]
+        if args.same_layout and shutil.which("setarch"):
+            # Two processes of one interpreter differed by 14 % in engine-thread CPU per burst with their
+            # randomized address layout and hash seed (--calibrate, two native engines); fixed, 7 %.
+            cmd = ["setarch", os.uname().machine, "-R", *cmd]
         cmd += ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output)]
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
@@ -452,6 +461,8 @@ class _Engine:
         self.backend = backend
         self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
         env = {**os.environ, **ENV}
+        if args.same_layout:
+            env["PYTHONHASHSEED"] = "0"
         if backend == "native" or args.calibrate:
             env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in finish()
@@ -539,6 +550,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--calibrate", action="store_true", help="A/A: two native engines (the 'elastic' one too)"
+    )
+    parser.add_argument(
+        "--random-layout",
+        dest="same_layout",
+        action="store_false",
+        help="keep address-space randomization and random hash seeds (by default both engines run without)",
     )
     args = parser.parse_args()
     if args.child:
