@@ -69,7 +69,6 @@ def _transport(instance: str, world: int) -> Transport:
     """A direct call to the rank when the only worker runs in this process, else Unix sockets."""
     rank = local_rank(instance, 0) if world == 1 else None
     if rank is not None:
-        logger.debug("elastic KV: the worker's rank runs in the scheduler's process; calling it directly")
         return InProcessTransport([rank])
     return SocketTransport.for_instance(instance, world)
 
@@ -169,10 +168,11 @@ class SchedulerPool:
         self.driver_steps = 0  # of which the scheduler thread waited for a map/unmap since the previous
         self._calls_seen = 0
         logger.info(
-            "elastic KV pool %r: %s; %d rank(s); limit %s",
+            "elastic KV pool %r: %s; %d rank(s), %s; limit %s",
             self.record.name,
             self.geometry.describe(),
             world,
+            "called directly" if isinstance(self.transport, InProcessTransport) else "over Unix sockets",
             cfg.limit_bytes or "none",
         )
 
