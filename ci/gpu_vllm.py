@@ -24,8 +24,9 @@ of its own; ``split`` gives each engine cores of its own; ``none`` pins nothing.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;
-both backends run that way. The native run excludes the plugin (``VLLM_PLUGINS=""``); the elastic run calls
-``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on ``PYTHONPATH`` is enough.
+both backends run that way. Neither loads plugins through vLLM (``VLLM_PLUGINS=""``, so the native run is pure
+vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on
+``PYTHONPATH`` is enough.
 
     python3 ci/gpu_vllm.py [--model tiny|1b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
                            [--out DIR]
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 _MARK = "@@gpu_vllm "  # prefixes the children's protocol lines on stdout
+_SLOTS = {"A": "elastic", "B": "native"}  # the children's --child values
 
 ENV = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -248,7 +250,7 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     mem_get_info, synchronize, device = _memory_probe(args.cpu_smoke)
-    backend = "native" if args.calibrate else args.child
+    backend = "native" if args.calibrate else _SLOTS[args.child]
     if backend == "elastic":
         # What the entry point does; explicit, so that the plugin's source folder on PYTHONPATH suffices
         # on a machine where it was not pip-installed (idempotent when the entry point ran too).
@@ -444,7 +446,10 @@ class _Engine:
     """A child process running one backend's engine, driven line by line (see :func:`main`)."""
 
     def __init__(self, backend: str, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, __file__, "--child", backend, "--model-dir", args.model_dir]
+        # The two children's command lines and environments differ in nothing but the slot's letter: their
+        # sizes shift the process's address layout (see --random-layout).
+        slot = next(k for k, v in _SLOTS.items() if v == backend)
+        cmd = [sys.executable, __file__, "--child", slot, "--model-dir", args.model_dir]
         if args.same_layout and shutil.which("setarch"):
             # Two processes of one interpreter differed by 14 % in engine-thread CPU per burst with their
             # randomized address layout and hash seed (--calibrate, two native engines); fixed, 7 %.
@@ -463,8 +468,8 @@ class _Engine:
         env = {**os.environ, **ENV}
         if args.same_layout:
             env["PYTHONHASHSEED"] = "0"
-        if backend == "native" or args.calibrate:
-            env["VLLM_PLUGINS"] = ""  # pure vLLM: the plugin is not even loaded
+        # Pure vLLM loads no plugin; the elastic child registers the plugin itself (see _child).
+        env["VLLM_PLUGINS"] = ""
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in finish()
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True
@@ -535,7 +540,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=["native", "elastic"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted(_SLOTS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the bursts; write profile_<backend>.txt to --out"
     )
