@@ -11,7 +11,8 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
   that the machine's drift -- a shared host's CPUs vary by tens of percent from one process or minute to
   the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
-* engine start-up time, elastic - native (elastic starts first, so a compile cache can only help native);
+* engine start-up time, elastic - native, each compiling into fresh caches of its own (``--shared-caches``
+  to let the second engine load what the first compiled);
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 What limits the throughput ratio's precision is the engine *process*, not the rounds: two native engines
@@ -468,6 +469,16 @@ class _Engine:
         env = {**os.environ, **ENV}
         if args.same_layout:
             env["PYTHONHASHSEED"] = "0"
+        if args.own_caches:
+            # Each engine compiles from nothing into caches of its own (same path length for both): a
+            # compile cache left by the first would let the second load instead of compile, and so start
+            # faster and run with other Python objects than the first.
+            caches = Path(args.model_dir).parent / f"caches-{slot}"
+            env.update(
+                VLLM_CACHE_ROOT=str(caches / "vllm"),
+                TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+                TRITON_CACHE_DIR=str(caches / "triton"),
+            )
         # Pure vLLM loads no plugin; the elastic child registers the plugin itself (see _child).
         env["VLLM_PLUGINS"] = ""
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in finish()
@@ -557,6 +568,12 @@ def main() -> None:
         "--calibrate", action="store_true", help="A/A: two native engines (the 'elastic' one too)"
     )
     parser.add_argument(
+        "--shared-caches",
+        dest="own_caches",
+        action="store_false",
+        help="let the engines share vLLM's, inductor's and Triton's caches (by default each has its own)",
+    )
+    parser.add_argument(
         "--random-layout",
         dest="same_layout",
         action="store_false",
@@ -574,7 +591,8 @@ def main() -> None:
         os.sched_setaffinity(0, split["parent"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-")), args.model))
-    # Elastic starts first: a compile cache the first engine leaves can only shorten native's start-up.
+    # Elastic starts first: with --shared-caches, what the first engine compiles can only shorten native's
+    # start-up.
     elastic_engine = _Engine("elastic", args)
     native_engine = _Engine("native", args)
     rounds: list[tuple[float, float]] = []
