@@ -29,7 +29,7 @@ both backends run that way. Neither loads plugins through vLLM (``VLLM_PLUGINS="
 vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on
 ``PYTHONPATH`` is enough.
 
-    python3 ci/gpu_vllm.py [--model tiny|1b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
+    python3 ci/gpu_vllm.py [--model tiny|1b|8b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
                            [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
@@ -69,7 +69,8 @@ ENV = {
 
 # Llama shapes with random ("dummy") weights. tiny: 8 layers of 1024 -- the engine thread's Python work, not
 # the GPU, sets the pace, which makes the plugin's per-step costs weigh the most (the worst case). 1b:
-# TinyLlama-1.1B's shape (22 layers of 2048, 4 KV heads) -- closer to what a GPU serves.
+# TinyLlama-1.1B's shape (22 layers of 2048, 4 KV heads). 8b: Llama-3-8B's shape (32 layers of 4096, 8 KV
+# heads; 16 GB of weights per engine) -- what an H200 serves, where the GPU sets the pace.
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {
         "hidden_size": 1024,
@@ -84,6 +85,13 @@ MODELS: dict[str, dict[str, int]] = {
         "num_hidden_layers": 22,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
+    },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
     },
 }
 
