@@ -199,7 +199,8 @@ class _Timeline:
     the engine core's step phases (``schedule``, the model's ``execute``, ``update`` from its output), the KV
     cache manager's ``allocate_slots`` inside ``schedule`` and, with the elastic backend, the pool's own
     hooks, the scheduler thread's waits for the driver (synchronous maps, background maps it needs now),
-    and the worker rank's request handling (on the scheduler's mapper thread: the worker is in-process).
+    and the worker rank's request handling (off the engine thread: on the scheduler's mapper thread, or
+    on the rank's socket listener with ``--socket``).
     Wall well above CPU means the thread waited: for the GPU, the driver, or the interpreter lock.
     """
 
@@ -536,6 +537,11 @@ def _per_burst(result: dict[str, Any], key: str) -> str:
     return f"{wall:.1f} (cpu {cpu:.1f}, {entry['calls'] // bursts} calls)"
 
 
+def _phases(native: dict[str, Any], elastic: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """``key native / elastic`` per burst for each timeline ``key`` (see :func:`_per_burst`)."""
+    return ", ".join(f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}" for key in keys)
+
+
 def _other(result: dict[str, Any]) -> str:
     """Milliseconds per burst outside the engine core's phases (LLM.generate's own work: inputs, outputs)."""
     phases = sum(result["timeline"][k]["s"] for k in ("schedule", "execute", "execute: sample", "update"))
@@ -617,22 +623,19 @@ def main() -> None:
     native_engine.close()
 
     ratios = [e / n for n, e in rounds]
+    ratio, mean = statistics.median(ratios), statistics.fmean(ratios)
+    total = native["burst_seconds"] / elastic["burst_seconds"]  # same tokens on both: a throughput ratio
+    listed = ", ".join(f"{x:.3f}" for x in ratios)
     if args.calibrate:
-        total = native["burst_seconds"] / elastic["burst_seconds"]
         print(
-            f"A/A (two native engines): ratio median {statistics.median(ratios):.4f}, mean "
-            f"{statistics.fmean(ratios):.4f}, total time {total:.4f} "
-            f"({', '.join(f'{x:.3f}' for x in ratios)}); engine-thread CPU "
-            f"{native['burst_thread_cpu_s']} / {elastic['burst_thread_cpu_s']} s; per burst "
-            + ", ".join(
-                f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}"
-                for key in ("schedule", "execute", "execute: sample", "update")
-            ),
+            f"A/A (two native engines): ratio median {ratio:.4f}, mean {mean:.4f}, total time {total:.4f} "
+            f"({listed}); engine-thread CPU {native['burst_thread_cpu_s']} / "
+            f"{elastic['burst_thread_cpu_s']} s; per burst "
+            + _phases(native, elastic, ("schedule", "execute", "execute: sample", "update")),
             flush=True,
         )
         return
     same = native["tokens"] == elastic["tokens"]
-    ratio = statistics.median(ratios)
     # The spread of the rounds, as a 95 % interval of their mean (normal approximation): a ratio goal
     # closer to the median than this is within the machine's noise.
     spread = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
@@ -661,9 +664,8 @@ def main() -> None:
         f"{_gib(elastic['charged_after'])} (reserve cap {_gib(elastic['reserve_max_bytes'])}, page "
         f"{elastic['page_bytes'] >> 20} MiB = {elastic['blocks_per_page']} blocks)",
         f"throughput: elastic / native {ratio:.4f} (median of {len(rounds)} rounds, each a burst on both "
-        f"engines back to back: {', '.join(f'{x:.3f}' for x in ratios)}); mean "
-        f"{statistics.fmean(ratios):.4f} +- {spread:.4f} (95 %); over all rounds "
-        f"{native['burst_seconds'] / elastic['burst_seconds']:.4f} (same tokens, total time); tok/s native "
+        f"engines back to back: {listed}); mean {mean:.4f} +- {spread:.4f} (95 %); over all rounds "
+        f"{total:.4f} (same tokens, total time); tok/s native "
         f"{[round(n) for n, _ in rounds]}, elastic {[round(e) for _, e in rounds]}",
         f"decode steps that waited for the driver: {steady['driver_steps']}/{steady['steps']} in steady "
         f"decode ({share:.2%}); {elastic['driver_steps_total']}/{elastic['steps_total']} over the whole run; "
@@ -676,9 +678,8 @@ def main() -> None:
         f"{elastic['burst_gc_s']} s ({native['burst_gc_collections']} / {elastic['burst_gc_collections']} "
         f"pauses; {native['gc_tracked_objects']} / {elastic['gc_tracked_objects']} tracked objects)",
         "time per burst (native / elastic, ms): "
-        + ", ".join(
-            f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}"
-            for key in ("schedule", "schedule: allocate_slots", "execute", "execute: sample", "update")
+        + _phases(
+            native, elastic, ("schedule", "schedule: allocate_slots", "execute", "execute: sample", "update")
         )
         + f", other {_other(native)} / {_other(elastic)}",
         *(f"  {k}: {_per_burst(elastic, k)} ms" for k in elastic["timeline"] if k.startswith("elastic")),
@@ -686,7 +687,7 @@ def main() -> None:
         + (
             ", ".join(f"{k} {v}" for k, v in args.cpu_split.items())
             if args.cpu_split
-            else f"shared ({os.cpu_count()})"
+            else f"not pinned ({os.cpu_count()})"
         ),
         f"start-up: native {native['startup_s']} s, elastic {elastic['startup_s']} s, "
         f"delta {elastic['startup_s'] - native['startup_s']:+.2f} s",
