@@ -19,9 +19,11 @@ What limits the throughput ratio's precision is the engine *process*, not the ro
 (``--calibrate``, an A/A run) differed by 14 % in engine-thread CPU time per burst, every phase alike,
 although they ran the same code on the same cores. Fixing the address layout and hash seed of both
 processes (the default: ``setarch -R``, ``PYTHONHASHSEED=0``; ``--random-layout`` to keep them random)
-brought that to 7 %: compare an A/B run with an A/A run made the same way. CPU cores (``--pin``): by
-default both engines run on the same cores (one bursts while the other idles) and this script on cores
-of its own; ``split`` gives each engine cores of its own; ``none`` pins nothing.
+brought that to 7 %: compare an A/B run with an A/A run made the same way, or run A/B twice, the second
+time with ``--swap`` (elastic in the slot that starts second): the geometric mean of the two ratios
+cancels whatever the slots themselves differ by. CPU cores (``--pin``): by default both engines run on the
+same cores (one bursts while the other idles) and this script on cores of its own; ``split`` gives each
+engine cores of its own; ``none`` pins nothing.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;
@@ -30,7 +32,7 @@ vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``package
 ``PYTHONPATH`` is enough.
 
     python3 ci/gpu_vllm.py [--model tiny|1b|8b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
-                           [--out DIR]
+                           [--swap | --calibrate] [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -55,7 +57,16 @@ from pathlib import Path
 from typing import Any
 
 _MARK = "@@gpu_vllm "  # prefixes the children's protocol lines on stdout
-_SLOTS = {"A": "elastic", "B": "native"}  # the children's --child values
+_SLOTS = ("A", "B")  # the children's --child values; A starts first
+
+
+def _backend(slot: str, args: argparse.Namespace) -> str:
+    """The backend a slot runs: elastic in A (in B with ``--swap``), native in the other; both native with
+    ``--calibrate``."""
+    if args.calibrate:
+        return "native"
+    return "elastic" if slot == ("B" if args.swap else "A") else "native"
+
 
 ENV = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -119,8 +130,8 @@ def _cpu_split(mode: str) -> dict[str, list[int]] | None:
     parts = (cores[:each], cores[each : 2 * each], cores[2 * each :])
     if mode == "shared":
         parts = (cores[: 2 * each], cores[: 2 * each], cores[2 * each :])
-    elastic, native, parent = (sorted(c for core in part for c in core) for part in parts)
-    return {"elastic": elastic, "native": native, "parent": parent}
+    first, second, parent = (sorted(c for core in part for c in core) for part in parts)
+    return {"A": first, "B": second, "parent": parent}
 
 
 def _model_dir(root: Path, model: str) -> Path:
@@ -198,9 +209,10 @@ class _Timeline:
     Wraps bound methods on their instances (nothing of vLLM's classes changes), four clock reads a call:
     the engine core's step phases (``schedule``, the model's ``execute``, ``update`` from its output), the KV
     cache manager's ``allocate_slots`` inside ``schedule`` and, with the elastic backend, the pool's own
-    hooks, the scheduler thread's waits for the driver (synchronous maps, background maps it needs now),
-    and the worker rank's request handling (off the engine thread: on the scheduler's mapper thread, or
-    on the rank's socket listener with ``--socket``).
+    hooks (arrivals mapped ahead in ``add_request``), the scheduler thread's waits for the driver
+    (synchronous maps, background maps it needs now), and the worker rank's request handling -- maps, the
+    zeroing of new pages, releases -- off the engine thread: on the scheduler's mapper thread, or on the
+    rank's socket listener with ``--socket``.
     Wall well above CPU means the thread waited: for the GPU, the driver, or the interpreter lock.
     """
 
@@ -260,7 +272,7 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     mem_get_info, synchronize, device = _memory_probe(args.cpu_smoke)
-    backend = "native" if args.calibrate else _SLOTS[args.child]
+    backend = _backend(args.child, args)
     if backend == "elastic":
         # What the entry point does; explicit, so that the plugin's source folder on PYTHONPATH suffices
         # on a machine where it was not pip-installed (idempotent when the entry point ran too).
@@ -309,9 +321,15 @@ def _child(args: argparse.Namespace) -> None:
         timeline.wrap(pool.mapper, "map", "elastic: scheduler thread waits for map")
         timeline.wrap(pool.mapper, "unmap", "elastic: scheduler thread waits for unmap")
         timeline.wrap(pool.mapper, "collect", "elastic: scheduler thread collects background maps")
+        timeline.wrap(pool.ledger, "expect", "elastic: arrivals mapped ahead (in add_request)")
     if worker_pool is not None and worker_pool.rank is not None:
         # Whoever carries the requests (the mapper's thread directly, or a socket listener) calls this.
         timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (off the engine thread)")
+        target = worker_pool.rank._pools[0].target
+        if hasattr(target, "_zero"):  # the worker's _ZeroingTarget: where a map's time goes
+            timeline.wrap(target, "map", "elastic: rank maps pages (driver and zeroing)")
+            timeline.wrap(target, "_zero", "elastic: rank zeroes new pages")
+            timeline.wrap(target, "commit", "elastic: rank releases pages")
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()
@@ -455,10 +473,10 @@ def _child(args: argparse.Namespace) -> None:
 class _Engine:
     """A child process running one backend's engine, driven line by line (see :func:`main`)."""
 
-    def __init__(self, backend: str, args: argparse.Namespace) -> None:
+    def __init__(self, slot: str, args: argparse.Namespace) -> None:
         # The two children's command lines and environments differ in nothing but the slot's letter: their
         # sizes shift the process's address layout (see --random-layout).
-        slot = next(k for k, v in _SLOTS.items() if v == backend)
+        backend = _backend(slot, args)
         cmd = [sys.executable, __file__, "--child", slot, "--model-dir", args.model_dir]
         if args.same_layout and shutil.which("setarch"):
             # Two processes of one interpreter differed by 14 % in engine-thread CPU per burst with their
@@ -471,8 +489,9 @@ class _Engine:
         cmd += ["--gc-freeze"] if args.gc_freeze else []
         cmd += ["--socket"] if args.socket else []
         cmd += ["--calibrate"] if args.calibrate else []
+        cmd += ["--swap"] if args.swap else []
         if args.cpu_split is not None:
-            cmd += ["--cpus", ",".join(map(str, args.cpu_split[backend]))]
+            cmd += ["--cpus", ",".join(map(str, args.cpu_split[slot]))]
         self.backend = backend
         self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
         env = {**os.environ, **ENV}
@@ -565,7 +584,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=sorted(_SLOTS), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=_SLOTS, help=argparse.SUPPRESS)
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the bursts; write profile_<backend>.txt to --out"
     )
@@ -582,6 +601,12 @@ def main() -> None:
         "--calibrate", action="store_true", help="A/A: two native engines (the 'elastic' one too)"
     )
     parser.add_argument(
+        "--swap",
+        action="store_true",
+        help="elastic in the second slot (native starts first): run with and without to cancel what the "
+        "slots themselves differ by",
+    )
+    parser.add_argument(
         "--shared-caches",
         dest="own_caches",
         action="store_false",
@@ -594,6 +619,8 @@ def main() -> None:
         help="keep address-space randomization and random hash seeds (by default both engines run without)",
     )
     args = parser.parse_args()
+    if args.swap and args.calibrate:
+        parser.error("--calibrate runs native in both slots; --swap has nothing to swap")
     if args.child:
         if args.cpus:  # before vLLM and torch start their threads: they inherit it
             os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
@@ -605,10 +632,10 @@ def main() -> None:
         os.sched_setaffinity(0, split["parent"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     args.model_dir = str(_model_dir(Path(tempfile.mkdtemp(prefix="ekv-gpu-")), args.model))
-    # Elastic starts first: with --shared-caches, what the first engine compiles can only shorten native's
-    # start-up.
-    elastic_engine = _Engine("elastic", args)
-    native_engine = _Engine("native", args)
+    # Slot A starts first (elastic, unless --swap): with --shared-caches, what the first engine compiles
+    # shortens the second's start-up.
+    first, second = _Engine("A", args), _Engine("B", args)
+    elastic_engine, native_engine = (second, first) if args.swap else (first, second)
     rounds: list[tuple[float, float]] = []
     for r in range(args.bursts):
         # Both engines are up; one bursts while the other idles. Alternating which goes first, each round's
@@ -628,7 +655,8 @@ def main() -> None:
     listed = ", ".join(f"{x:.3f}" for x in ratios)
     if args.calibrate:
         print(
-            f"A/A (two native engines): ratio median {ratio:.4f}, mean {mean:.4f}, total time {total:.4f} "
+            f"A/A (two native engines): ratio slot A / slot B: median {ratio:.4f}, mean {mean:.4f}, "
+            f"total time {total:.4f} "
             f"({listed}); engine-thread CPU {native['burst_thread_cpu_s']} / "
             f"{elastic['burst_thread_cpu_s']} s; per burst "
             + _phases(native, elastic, ("schedule", "execute", "execute: sample", "update")),
@@ -683,7 +711,7 @@ def main() -> None:
         )
         + f", other {_other(native)} / {_other(elastic)}",
         *(f"  {k}: {_per_burst(elastic, k)} ms" for k in elastic["timeline"] if k.startswith("elastic")),
-        "CPUs: "
+        f"slots: elastic in {'B, native in A' if args.swap else 'A, native in B'} (A starts first); CPUs: "
         + (
             ", ".join(f"{k} {v}" for k, v in args.cpu_split.items())
             if args.cpu_split

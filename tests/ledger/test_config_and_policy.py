@@ -121,6 +121,18 @@ def test_reserve_policy_follows_recent_growth_within_bounds() -> None:
         ReservePolicy(3, 2, 1)
 
 
+def test_reserve_policy_counts_expected_demand_like_pages_taken() -> None:
+    policy = ReservePolicy(min_pages=1, max_pages=8, window=2)
+    policy.note_expected(4)  # requests arrived: the target rises before any page is taken
+    assert policy.target == 4
+    policy.note_acquired(3)  # the step took 3 of them: the interval's demand is still 4, not 3 or 7
+    assert policy.end_interval() == 4
+    policy.note_expected(30)
+    assert policy.target == 8  # capped
+    for expect in (8, 8, 1):  # an expectation leaves the window like a burst
+        assert policy.end_interval() == expect
+
+
 def test_snapshot_round_trip_and_schema() -> None:
     snap = PoolSnapshot(
         name="p", state=PoolState.SHRINKING, block_size_bytes=1, page_size=2, page_bytes=3, blocks_per_page=4,

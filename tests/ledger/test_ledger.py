@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -382,6 +383,74 @@ def test_background_premap_serves_allocations_without_driver_calls() -> None:
         assert pool.backend.calls("map") - maps == 4
         assert led.snapshot().reserve_pages == 2
         check_invariants(pool, set(got))
+    finally:
+        pool.close()
+
+
+def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=0, reserve_max_pages=8)
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        assert led.snapshot().reserve_pages == 0 and led.free_backed_blocks == 3  # page 0: the null block's
+        assert led.expect(3) == 0  # page 0's free blocks hold it
+        assert led.expect(3 + 12) == 3  # three more pages, queued at once ...
+        assert led.snapshot().inflight_pages == 3
+        assert led.expect(3 + 12) == 0  # ... and not again
+        settle(pool)  # the engine's next step: maintain() keeps them for the demand it was told of
+        assert led.snapshot().reserve_pages == 3
+        maps = pool.backend.calls("map")
+        got = led.alloc(15)
+        assert got is not None and pool.backend.calls("map") == maps  # no driver call on the alloc
+        snap = led.snapshot()
+        assert (snap.reserve_hits, snap.reserve_misses) == (3, 0)
+        check_invariants(pool, set(got))
+        led.free(got)
+        for _ in range(cfg.reserve_window + 1):  # an expectation is forgotten like a burst
+            led.maintain()
+        assert led.snapshot().reserve_pages == 0
+        check_invariants(pool)
+    finally:
+        pool.close()
+
+
+def test_expected_demand_is_bounded_like_the_reserve() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=0, reserve_max_pages=4)
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        assert led.expect(10_000) == 4  # at most reserve_max_pages pages in flight and in the reserve
+        settle(pool)
+        assert led.snapshot().reserve_pages == 4 and led.expect(10_000) == 0
+        led.clear()  # the reserve goes ...
+        led.resize(led.charged_bytes)  # ... and a limit at what is left backed allows no page more
+        assert led.expect(10_000) == 0 and led.snapshot().inflight_pages == 0
+        with pytest.raises(ValueError, match="cannot expect -1 blocks"):
+            led.expect(-1)
+        check_invariants(pool)
+    finally:
+        pool.close()
+
+
+def test_expect_does_nothing_without_premap_and_refuses_other_threads() -> None:
+    pool = make_pool(config=ElasticConfig(page_size=SLOT, premap=False))
+    try:
+        assert pool.ledger.expect(100) == 0 and pool.ledger.snapshot().inflight_pages == 0
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                pool.ledger.expect(100)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+        check_invariants(pool)
     finally:
         pool.close()
 

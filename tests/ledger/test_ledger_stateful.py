@@ -162,6 +162,13 @@ class LedgerMachine(RuleBasedStateMachine):
     def maintain(self) -> None:
         self.pool.ledger.maintain()
 
+    @rule(blocks=st.integers(0, 60))
+    @settled
+    def expect(self, blocks: int) -> None:
+        """Requests arrived: maps queued ahead (landing before the next rule), never beyond the reserve's
+        cap or the limit (the invariants check both)."""
+        self.pool.ledger.expect(blocks)
+
     @rule(nth=st.integers(1, 3))
     @settled
     def inject_out_of_memory(self, nth: int) -> None:

@@ -57,6 +57,11 @@ def test_background_maps_run_after_the_releases_queued_before_them(
     assert mapper.collect(wait=True) == [(job, [5, 6], None)]
     assert mapper.pending_releases == 0
     cluster.assert_agree(pool, [5, 6])
+    # That collect waited for a job; one with nothing queued, or one that does not wait, does not count.
+    mapper.collect(wait=True)
+    mapper.map_async([7])
+    mapper.collect()
+    assert mapper.waits == 1
 
 
 def test_flush_waits_for_every_queued_release(cluster: Cluster, pool: int, mapper: CoordinatorMapper) -> None:

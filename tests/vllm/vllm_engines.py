@@ -235,7 +235,43 @@ def _installed_not_enabled() -> dict[str, Any]:
     }
 
 
-_MODES = {"reference": _reference, "installed-not-enabled": _installed_not_enabled}
+def _arrivals() -> dict[str, Any]:
+    """The elastic engine in this process: what was backed, or on its way, when the first step began, and
+    did that step map anything itself?"""
+    from vllm import LLM
+
+    llm = LLM(
+        **engine_kwargs(
+            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": "arrivals"}},
+            enable_prefix_caching=True,
+        )
+    )
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler, pool = core.scheduler, core.scheduler.elastic_pool
+    first: dict[str, int] = {}
+    schedule = scheduler.schedule
+
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        if first:
+            return schedule(*args, **kwargs)
+        snap = pool.ledger.snapshot()
+        calls = pool.mapper.calls
+        first.update(ahead=snap.inflight_pages + snap.reserve_pages, waiting=len(scheduler.waiting))
+        output = schedule(*args, **kwargs)
+        first.update(maps=pool.mapper.calls - calls, used=pool.ledger.snapshot().used_blocks)
+        return output
+
+    scheduler.schedule = observed
+    idle = pool.ledger.snapshot()
+    tokens = generate(llm)
+    return {"tokens": tokens, "first_step": first, "idle_pages": idle.inflight_pages + idle.reserve_pages}
+
+
+_MODES = {
+    "reference": _reference,
+    "installed-not-enabled": _installed_not_enabled,
+    "arrivals": _arrivals,
+}
 
 if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1] in _MODES:
     print(json.dumps(_MODES[sys.argv[1]]()), flush=True)

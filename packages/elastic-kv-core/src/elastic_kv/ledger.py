@@ -397,6 +397,37 @@ class KVCacheManager(PageBacking):
                 self._refill_sync(target - len(self._reserve))
         self._phys.publish(self._snapshot)
 
+    def expect(self, blocks: int) -> int:
+        """The engine will soon allocate about ``blocks`` blocks that it has not asked for yet (requests
+        arrived, their prompts not scheduled): queue background maps now, so that the backed free blocks
+        and the pages in flight cover them. The driver then works while the engine takes in the rest of
+        a batch and schedules it, instead of while the first step waits. Returns the pages queued.
+
+        Bounded like the reserve: at most ``reserve_max_pages`` backed empty pages and pages in flight,
+        within the physical headroom (limit, shared budget). The expectation counts as demand for the
+        reserve's sizing (:meth:`ReservePolicy.note_expected`), so :meth:`maintain` keeps these pages
+        until the engine's next steps use them; an overestimate is trimmed once ``reserve_window`` steps
+        pass without such demand. Does nothing without an asynchronous mapper, with ``premap`` off, or
+        while the pool is over its limit. ``ValueError`` if ``blocks < 0``.
+        """
+        if blocks <= self._free_backed:
+            if blocks < 0:
+                raise ValueError(f"cannot expect {blocks} blocks")
+            return 0
+        if get_ident() != self._owner:
+            self._refuse()
+        if not (self._async and self._cfg.premap):
+            return 0
+        pages = -(-(blocks - self._free_backed) // self._bpp)
+        self._policy.note_expected(pages)
+        room = self._cfg.reserve_max_pages - len(self._reserve) - self._inflight_pages
+        want = min(pages - self._inflight_pages, room)
+        if want <= 0:
+            return 0
+        before = self._inflight_pages
+        self._refill_async(want)
+        return self._inflight_pages - before
+
     def _take_in(self, wait: bool = False) -> None:
         """Collect finished background maps; if the limit was lowered while they were in flight, the
         pages that landed go straight back."""

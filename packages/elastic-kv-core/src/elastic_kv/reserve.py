@@ -6,7 +6,9 @@ waits for the driver. Too large a reserve holds memory an idle engine does not n
 demand: :class:`ReservePolicy` remembers how many pages the pool took into use in each of the last
 ``window`` maintenance intervals (one per engine step) and aims to hold as many as the largest of them,
 clamped to ``[min_pages, max_pages]``. A burst like the biggest recent one is then served without a driver
-call; after ``window`` quiet steps the reserve shrinks back to ``min_pages``.
+call; after ``window`` quiet steps the reserve shrinks back to ``min_pages``. Demand the engine announces
+(:meth:`ReservePolicy.note_expected`: requests arrived, their prompts not yet allocated) counts like pages
+taken into use in that interval, so the pages mapped ahead for it are not trimmed before they are used.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class ReservePolicy:
     """Reserve target from recent page demand (see the module docstring). Not thread-safe: the ledger
     calls it under its own lock."""
 
-    __slots__ = ("_current", "_history", "_max", "_min", "_target")
+    __slots__ = ("_current", "_expected", "_history", "_max", "_min", "_target")
 
     def __init__(self, min_pages: int, max_pages: int, window: int) -> None:
         if not 0 <= min_pages <= max_pages or window < 1:
@@ -28,6 +30,7 @@ class ReservePolicy:
         self._min, self._max = min_pages, max_pages
         self._history: deque[int] = deque(maxlen=window)
         self._current = 0
+        self._expected = 0
         self._target = min_pages
 
     @property
@@ -41,9 +44,16 @@ class ReservePolicy:
         if self._current > self._target:
             self._target = min(self._max, self._current)
 
+    def note_expected(self, pages: int) -> None:
+        """The engine expects to take about ``pages`` empty pages into use soon; the interval's demand is
+        at least that (it raises the target at once, like :meth:`note_acquired`)."""
+        self._expected = max(self._expected, pages)
+        if pages > self._target:
+            self._target = min(self._max, pages)
+
     def end_interval(self) -> int:
         """Close the current interval (one engine step) and return the new target."""
-        self._history.append(self._current)
-        self._current = 0
+        self._history.append(max(self._current, self._expected))
+        self._current = self._expected = 0
         self._target = min(self._max, max(self._min, max(self._history)))
         return self._target

@@ -1,13 +1,14 @@
 """Scheduler side: the ``--scheduler-cls`` subclasses the front end selects for the elastic backend.
 
 ``ElasticScheduler`` / ``ElasticAsyncScheduler`` are vLLM's ``Scheduler`` / ``AsyncScheduler`` (the front end
-picks the one matching ``async_scheduling``). They change three things:
+picks the one matching ``async_scheduling``). They change four things:
 
 * construction: while vLLM's ``Scheduler.__init__`` runs, the names ``KVCacheManager`` (in vLLM's scheduler
   module) and ``BlockPool`` (in vLLM's coordinator module) are bound to the elastic subclasses, so vLLM's own
   construction code builds them with its own arguments (:func:`vllm_elastic_kv.compat.scoped_attribute`;
   restored when construction ends). Then the pool is connected to the ledger and the workers
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
+* ``add_request``: the pool starts mapping what the new request's prompt needs, in the background;
 * ``schedule``: while vLLM schedules the step, the pool counts only the blocks it holds (the running
   requests' fast path); after it, the step's release epoch starts and the pool does its housekeeping
   (reserve, ``kvctl`` limit);
@@ -74,6 +75,12 @@ class ElasticSchedulerMixin:
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
         self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+
+    def add_request(self, request: Any) -> None:
+        """vLLM's ``add_request``; then the pool maps ahead for the prompt (see
+        :meth:`~vllm_elastic_kv.scheduler_pool.SchedulerPool.request_added`)."""
+        super().add_request(request)  # type: ignore[misc]
+        self.elastic_pool.request_added(request.num_tokens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, counting only the blocks the pool holds for its running requests (see

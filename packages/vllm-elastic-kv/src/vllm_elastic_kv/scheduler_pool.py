@@ -14,6 +14,10 @@ are serving their ranks by then) and wires:
 * the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
 
+Arrivals: :meth:`SchedulerPool.request_added` tells the ledger what the prompts that arrived since the last
+step will need (:meth:`KVCacheManager.expect`, bounded like the reserve), so a burst's first pages are
+mapped in the background while the engine is still taking the burst in, not while its first step waits.
+
 Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
 epoch; :meth:`SchedulerPool.step_completed` when the scheduler processes that step's output releases pages
 emptied up to it; :meth:`SchedulerPool.settle_idle` returns everything but the null block's page when the
@@ -165,8 +169,13 @@ class SchedulerPool:
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
         self.steps = 0  # steps dispatched
-        self.driver_steps = 0  # of which the scheduler thread waited for a map/unmap since the previous
-        self._calls_seen = 0
+        # ... of which the scheduler thread waited for the driver since the previous one: a map, or a
+        # background map it needed
+        self.driver_steps = 0
+        self._waits_seen = 0
+        # Blocks the prompts that arrived since the last step need (each KV cache group allocates its own).
+        self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        self._arriving = 0
         logger.info(
             "elastic KV pool %r: %s; %d rank(s), %s; limit %s",
             self.record.name,
@@ -177,6 +186,16 @@ class SchedulerPool:
         )
 
     # -- steps ------------------------------------------------------------------------------------------
+    def _driver_waits(self) -> int:
+        return self.mapper.calls + self.mapper.waits
+
+    def request_added(self, num_tokens: int) -> None:
+        """A request of ``num_tokens`` arrived: have the pages its prompt needs mapped ahead, in the
+        background, with those of the others that arrived since the last step (a prefix-cache hit needs
+        fewer; the ledger trims what no step takes)."""
+        self._arriving += sum(-(-num_tokens // size) for size in self._block_sizes)
+        self.ledger.expect(self._arriving)
+
     def step_dispatched(self) -> int:
         """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping."""
         if self.over_limit():
@@ -185,9 +204,11 @@ class SchedulerPool:
             self.block_pool.trim_cached()
         epoch = self.epochs.step_dispatched()
         self.ledger.maintain()
+        self._arriving = 0
         self.steps += 1
-        if self.mapper.calls != self._calls_seen:
-            self._calls_seen = self.mapper.calls
+        waits = self._driver_waits()
+        if waits != self._waits_seen:
+            self._waits_seen = waits
             self.driver_steps += 1
         return epoch
 
@@ -213,6 +234,7 @@ class SchedulerPool:
         self.ledger.settle()
         self.ledger.trim()
         self.record.publish(self.ledger.snapshot())
+        self._waits_seen = self._driver_waits()  # waiting here held up no step: the engine is idle
         if wait:
             self.mapper.flush()
 

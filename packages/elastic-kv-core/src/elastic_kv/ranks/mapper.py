@@ -48,12 +48,15 @@ class CoordinatorMapper:
     """See the module docstring. ``inner`` is the coordinator (any synchronous ``PageMapper``).
 
     ``calls`` counts the synchronous maps: each made the calling thread (an engine's scheduler) wait for
-    the ranks' driver. ``async_jobs`` counts background maps, ``releases`` queued releases.
+    the ranks' driver; ``waits`` the ``collect(wait=True)`` calls that found background maps still
+    queued or running, which made it wait too. ``async_jobs`` counts background maps, ``releases`` queued
+    releases.
     """
 
     def __init__(self, inner: PageMapper, *, name: str = "elastic-kv-mapper") -> None:
         self.inner = inner
         self.calls = 0
+        self.waits = 0
         self.async_jobs = 0
         self.releases = 0
         self._outstanding = 0  # map jobs queued and not yet collected
@@ -94,6 +97,8 @@ class CoordinatorMapper:
         """Map jobs finished since the last call, ``(job, pages, None | error text)``; never blocks unless
         ``wait``, which first waits for every queued job."""
         out: list[MapResult] = []
+        if wait and self._outstanding:
+            self.waits += 1
         while self._outstanding:
             try:
                 out.append(self._done.get(block=wait))
