@@ -29,7 +29,9 @@ def _run(tmp_path: Path, *extra: str) -> str:
 
 
 def test_elastic_against_native(tmp_path: Path) -> None:
-    out = _run(tmp_path)
+    # --swap: elastic in the slot that starts second (the slot mapping itself is checked below).
+    out = _run(tmp_path, "--swap")
+    assert "slots: elastic in B, native in A" in out
     assert "greedy outputs: EQUAL" in out
     for check in (
         "greedy outputs equal: ok",
@@ -37,12 +39,33 @@ def test_elastic_against_native(tmp_path: Path) -> None:
         "no driver call in steady decode: ok",
     ):
         assert check in out, out
-    assert (
-        "elastic: rank applies requests (off the engine thread)" in out
-    )  # the pool and its rank were probed
+    # the pool, its arrivals hook and its rank were probed
+    assert "elastic: rank applies requests (off the engine thread)" in out
+    assert "elastic: arrivals mapped ahead (in add_request)" in out
     assert (tmp_path / "gpu_vllm.json").exists()
 
 
 def test_calibration_runs_two_native_engines(tmp_path: Path) -> None:
     out = _run(tmp_path, "--calibrate")
-    assert out.startswith("A/A (two native engines): ratio median"), out
+    assert out.startswith("A/A (two native engines): ratio slot A / slot B: median"), out
+
+
+def test_slots_run_the_backends_asked_for() -> None:
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_vllm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = {
+        (swap, calibrate): [
+            script._backend(slot, argparse.Namespace(swap=swap, calibrate=calibrate)) for slot in "AB"
+        ]
+        for swap, calibrate in ((False, False), (True, False), (False, True))
+    }
+    assert runs == {
+        (False, False): ["elastic", "native"],
+        (True, False): ["native", "elastic"],
+        (False, True): ["native", "native"],
+    }
