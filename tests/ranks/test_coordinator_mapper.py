@@ -104,24 +104,31 @@ def test_a_release_that_keeps_failing_stops_the_mapper(
     cluster.assert_agree(pool, [1, 2])  # nothing was attempted after the failure
 
 
-class _GatedReleases:
-    """The coordinator, with releases that wait at a gate the test opens."""
+class _Gated:
+    """The coordinator, with its ``op`` calls after the first ``skip`` waiting at a gate the test opens."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any, op: str = "unmap", skip: int = 0) -> None:
+        self.inner, self.op, self.skip = inner, op, skip
         self.entered, self.gate = threading.Event(), threading.Event()
 
+    def _call(self, op: str, pages: Any) -> None:
+        if op == self.op:
+            if self.skip:
+                self.skip -= 1
+            else:
+                self.entered.set()
+                assert self.gate.wait(30.0)
+        getattr(self.inner, op)(pages)
+
     def map(self, pages: Any) -> None:
-        self.inner.map(pages)
+        self._call("map", pages)
 
     def unmap(self, pages: Any) -> None:
-        self.entered.set()
-        assert self.gate.wait(30.0)
-        self.inner.unmap(pages)
+        self._call("unmap", pages)
 
 
 def test_close_drops_queued_jobs_and_finishes_the_one_in_progress(cluster: Cluster, pool: int) -> None:
-    gated = _GatedReleases(cluster.coordinator(pool, timeout=5.0))
+    gated = _Gated(cluster.coordinator(pool, timeout=5.0))
     mapper = CoordinatorMapper(gated)
     mapper.map([1, 3])
     mapper.unmap([1])
@@ -137,6 +144,22 @@ def test_close_drops_queued_jobs_and_finishes_the_one_in_progress(cluster: Clust
     cluster.assert_agree(pool, [3])  # page 1's release finished; the queued map and release never ran
 
 
+def test_collect_can_wait_for_the_oldest_jobs_only(cluster: Cluster, pool: int) -> None:
+    gated = _Gated(cluster.coordinator(pool, timeout=5.0), op="map", skip=1)
+    mapper = CoordinatorMapper(gated)
+    try:
+        first, second = mapper.map_async([1]), mapper.map_async([2])
+        assert gated.entered.wait(30.0)  # the second job is in progress, held at the gate
+        assert mapper.collect(wait=True, jobs=1) == [(first, [1], None)]
+        assert mapper.waits == 1
+        gated.gate.set()
+        assert mapper.collect(wait=True) == [(second, [2], None)]
+        cluster.assert_agree(pool, [1, 2])
+    finally:
+        gated.gate.set()
+        mapper.close()
+
+
 # -- a ledger driving the ranks through the mapper --------------------------------------------------------
 
 
@@ -145,7 +168,7 @@ def _ledger(cluster: Cluster, pool: int, mapper: CoordinatorMapper, **config: in
     block = page // 4
     geometry = BlockGeometry([16 * page], [BlockFamily(0, 0, block, block)], 64, page, blocks_per_page=4)
     assert geometry.num_pages == 16 and geometry.page_bytes == page
-    cfg = ElasticConfig(page_size=page, reserve_min_pages=0, reserve_max_pages=0, **config)
+    cfg = ElasticConfig(**{"page_size": page, "reserve_min_pages": 0, "reserve_max_pages": 0, **config})
     return KVCacheManager(geometry, mapper, cfg, null_block=0)
 
 
@@ -186,3 +209,28 @@ def test_ledger_becomes_inconsistent_when_a_release_fails_for_good(
         ledger.alloc(1)
     cluster.ctl(0, "clear", pool)
     cluster.assert_agree(pool)
+
+
+def test_alloc_waits_only_for_the_background_maps_it_needs(cluster: Cluster, pool: int) -> None:
+    gated = _Gated(cluster.coordinator(pool, timeout=5.0), op="map", skip=2)  # the null page, one job
+    mapper = CoordinatorMapper(gated)
+    opened = threading.Timer(10.0, gated.gate.set)  # (a wait for every job would otherwise hang)
+    opened.start()
+    try:
+        ledger = _ledger(cluster, pool, mapper, reserve_max_pages=8)
+        # Requests arrive: two jobs of one page each (page 0 holds 3 free blocks, a page 4).
+        assert ledger.expect(3 + 4) == 1 and ledger.expect(3 + 8) == 1
+        assert gated.entered.wait(30.0)  # the second job is held at the gate
+        got = ledger.alloc(3 + 4)  # needs the first job's page only: takes it while the second is held
+        assert got is not None and not gated.gate.is_set()
+        assert ledger.snapshot().inflight_pages >= 1  # the second job (and the reserve's refill)
+        gated.gate.set()
+        ledger.settle()
+        cluster.assert_agree(pool, ledger.mapped_pages())
+        check = ledger.snapshot()
+        assert check.inflight_pages == 0 and (check.reserve_hits, check.reserve_misses) == (1, 0)
+    finally:
+        opened.cancel()
+        gated.gate.set()
+        ledger.close()
+        mapper.close()

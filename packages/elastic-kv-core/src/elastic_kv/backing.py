@@ -172,11 +172,12 @@ class PageBacking(PageBook):
         for p in pages:
             self._page_to_reserve(p)
 
-    def _collect(self, wait: bool = False) -> None:
-        """Take in the background maps that finished (all of them, with ``wait``): mapped pages join the
-        reserve, failed ones return to the unmapped pages with their charge."""
+    def _collect(self, wait: bool = False, jobs: int = 0) -> None:
+        """Take in the background maps that finished (with ``wait``, all of them, or at least the ``jobs``
+        oldest): mapped pages join the reserve, failed ones return to the unmapped pages with their
+        charge."""
         assert self._async_mapper is not None
-        for job, pages, error in self._async_mapper.collect(wait):
+        for job, pages, error in self._async_mapper.collect(wait, jobs):
             mine = self._inflight.pop(job, None)
             if mine is None or sorted(mine) != sorted(pages):
                 self._fail(f"data plane reported map job {job} ({pages}) that the ledger did not queue")

@@ -251,11 +251,15 @@ class KVCacheManager(PageBacking):
         return out
 
     def _grow(self, n: int) -> bool:
-        """Make ``_free_backed >= n``: wait for background maps still running (they are needed now, and a
-        synchronous map would queue behind them in the driver anyway), then map what is still missing.
-        False -- with nothing changed but pages that landed -- when the pool cannot grow that much."""
+        """Make ``_free_backed >= n``: wait for the background maps that cover the shortfall (the oldest
+        first: they finish first; the rest keep landing while the engine runs), then -- only if those
+        failed -- for all of them (a synchronous map would queue behind them in the driver anyway), and
+        map what is still missing. False -- with nothing changed but pages that landed -- when the pool
+        cannot grow that much."""
         if self._inflight:
-            self._take_in(wait=True)
+            self._take_in(wait=True, jobs=self._jobs_covering(n - self._free_backed))
+            if n > self._free_backed and self._inflight:
+                self._take_in(wait=True)
         short = n - self._free_backed
         if short <= 0:
             return True
@@ -428,10 +432,18 @@ class KVCacheManager(PageBacking):
         self._refill_async(want)
         return self._inflight_pages - before
 
-    def _take_in(self, wait: bool = False) -> None:
-        """Collect finished background maps; if the limit was lowered while they were in flight, the
-        pages that landed go straight back."""
-        self._collect(wait)
+    def _jobs_covering(self, blocks: int) -> int:
+        """How many of the oldest background maps in flight hold ``blocks`` blocks (0: all of them)."""
+        for count, pages in enumerate(self._inflight.values(), 1):
+            blocks -= sum(self._cap(p) for p in pages)
+            if blocks <= 0:
+                return count
+        return 0
+
+    def _take_in(self, wait: bool = False, jobs: int = 0) -> None:
+        """Collect finished background maps (see :meth:`_collect`); if the limit was lowered while they
+        were in flight, the pages that landed go straight back."""
+        self._collect(wait, jobs)
         if self._phys.over_limit():
             self._trim_reserve(0)
 

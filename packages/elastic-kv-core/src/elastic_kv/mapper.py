@@ -49,7 +49,9 @@ class AsyncPageMapper(PageMapper, Protocol):
 
     ``map_async(pages)`` queues one all-or-nothing job and returns its id at once (no driver call on the
     caller's thread); ``collect()`` returns the jobs finished since the last call without blocking, and
-    ``collect(wait=True)`` first waits until every queued job has finished. The caller must not map or
+    ``collect(wait=True)`` first waits until every queued job has finished; ``collect(wait=True, jobs=k)``
+    may return once the ``k`` oldest jobs not yet collected have finished (a mapper that cannot tell waits
+    for all). The caller must not map or
     unmap a page of a job that has not been collected yet. A failed job's error text starts with the
     error type (``"PoolExhausted: ..."``, ``"StateConsistencyError: ..."``, ``"BackendError: ..."``,
     ``"Cancelled: ..."``).
@@ -57,7 +59,7 @@ class AsyncPageMapper(PageMapper, Protocol):
 
     def map_async(self, pages: Sequence[int]) -> int: ...
 
-    def collect(self, wait: bool = False) -> list[MapResult]: ...
+    def collect(self, wait: bool = False, jobs: int = 0) -> list[MapResult]: ...
 
 
 class LocalMapper:
@@ -89,8 +91,9 @@ class LocalMapper:
         """Queue ``pages`` for the group's background mapping thread; returns the job id."""
         return int(self._group.map_async(list(pages)))
 
-    def collect(self, wait: bool = False) -> list[MapResult]:
-        """Jobs the background thread finished since the last call; ``wait=True`` first waits for all."""
+    def collect(self, wait: bool = False, jobs: int = 0) -> list[MapResult]:
+        """Jobs the background thread finished since the last call; ``wait=True`` first waits for all
+        (the data plane waits for its whole queue: ``jobs`` is not used)."""
         return [(int(job), [int(p) for p in pages], error) for job, pages, error in self._group.collect(wait)]
 
     @classmethod

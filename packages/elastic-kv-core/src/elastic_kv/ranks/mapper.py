@@ -93,15 +93,17 @@ class CoordinatorMapper:
         self._jobs.put((job, list(pages)))
         return job
 
-    def collect(self, wait: bool = False) -> list[MapResult]:
+    def collect(self, wait: bool = False, jobs: int = 0) -> list[MapResult]:
         """Map jobs finished since the last call, ``(job, pages, None | error text)``; never blocks unless
-        ``wait``, which first waits for every queued job."""
+        ``wait``, which first waits for every queued job, or with ``jobs > 0`` for the ``jobs`` oldest
+        (jobs finish in the order they were queued)."""
         out: list[MapResult] = []
         if wait and self._outstanding:
             self.waits += 1
         while self._outstanding:
+            block = wait and (jobs <= 0 or len(out) < jobs)
             try:
-                out.append(self._done.get(block=wait))
+                out.append(self._done.get(block=block))
             except queue.Empty:
                 break
             self._outstanding -= 1
