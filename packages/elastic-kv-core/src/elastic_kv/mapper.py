@@ -51,10 +51,9 @@ class AsyncPageMapper(PageMapper, Protocol):
     caller's thread); ``collect()`` returns the jobs finished since the last call without blocking, and
     ``collect(wait=True)`` first waits until every queued job has finished; ``collect(wait=True, jobs=k)``
     may return once the ``k`` oldest jobs not yet collected have finished (a mapper that cannot tell waits
-    for all). The caller must not map or
-    unmap a page of a job that has not been collected yet. A failed job's error text starts with the
-    error type (``"PoolExhausted: ..."``, ``"StateConsistencyError: ..."``, ``"BackendError: ..."``,
-    ``"Cancelled: ..."``).
+    for all). The caller must not map or unmap a page of a job that has not been collected yet. A failed
+    job's error text starts with the error type (``"PoolExhausted: ..."``, ``"StateConsistencyError:
+    ..."``, ``"BackendError: ..."``, ``"Cancelled: ..."``).
     """
 
     def map_async(self, pages: Sequence[int]) -> int: ...

@@ -48,8 +48,8 @@ class CoordinatorMapper:
     """See the module docstring. ``inner`` is the coordinator (any synchronous ``PageMapper``).
 
     ``calls`` counts the synchronous maps: each made the calling thread (an engine's scheduler) wait for
-    the ranks' driver; ``waits`` the ``collect(wait=True)`` calls that found background maps still
-    queued or running, which made it wait too. ``async_jobs`` counts background maps, ``releases`` queued
+    the ranks' driver; ``waits`` the ``collect(wait=True)`` calls that had to wait for a background map
+    still queued or running. ``async_jobs`` counts background maps, ``releases`` queued
     releases.
     """
 
@@ -98,15 +98,16 @@ class CoordinatorMapper:
         ``wait``, which first waits for every queued job, or with ``jobs > 0`` for the ``jobs`` oldest
         (jobs finish in the order they were queued)."""
         out: list[MapResult] = []
-        if wait and self._outstanding:
-            self.waits += 1
+        waited = False
         while self._outstanding:
             block = wait and (jobs <= 0 or len(out) < jobs)
+            waited = waited or (block and self._done.empty())
             try:
                 out.append(self._done.get(block=block))
             except queue.Empty:
                 break
             self._outstanding -= 1
+        self.waits += waited
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
