@@ -405,7 +405,8 @@ class KVCacheManager(PageBacking):
         """The engine will soon allocate about ``blocks`` blocks that it has not asked for yet (requests
         arrived, their prompts not scheduled): queue background maps now, so that the backed free blocks
         and the pages in flight cover them. The driver then works while the engine takes in the rest of
-        a batch and schedules it, instead of while the first step waits. Returns the pages queued.
+        a batch and schedules it, instead of while the first step waits. Returns the pages queued, one
+        background job each, so that an allocation waits only for the pages it needs (:meth:`_grow`).
 
         Bounded like the reserve: at most ``reserve_max_pages`` backed empty pages and pages in flight,
         within the physical headroom (limit, shared budget). The expectation counts as demand for the
@@ -429,7 +430,11 @@ class KVCacheManager(PageBacking):
         if want <= 0:
             return 0
         before = self._inflight_pages
-        self._refill_async(want)
+        for _ in range(want):
+            queued = self._inflight_pages
+            self._refill_async(1)
+            if self._inflight_pages == queued:
+                break  # no headroom left
         return self._inflight_pages - before
 
     def _jobs_covering(self, blocks: int) -> int:
