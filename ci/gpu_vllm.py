@@ -12,7 +12,8 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
   the next -- hits both alike; the ratio is the median over rounds;
 * the share of decode steps whose scheduling waited for a driver call (goal: none in steady state);
 * engine start-up time, elastic - native, each compiling into fresh caches of its own (``--shared-caches``
-  to let the second engine load what the first compiled);
+  to let the second engine load what the first compiled; ``--cache-root DIR`` keeps each slot's caches for
+  the next run, which loads what matches vLLM's cache keys instead of compiling it);
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 What limits the throughput ratio's precision is the engine *process*, not the rounds: two native engines
@@ -501,7 +502,7 @@ class _Engine:
             # Each engine compiles from nothing into caches of its own (same path length for both): a
             # compile cache left by the first would let the second load instead of compile, and so start
             # faster and run with other Python objects than the first.
-            caches = Path(args.model_dir).parent / f"caches-{slot}"
+            caches = Path(args.cache_root or Path(args.model_dir).parent) / f"caches-{slot}"
             env.update(
                 VLLM_CACHE_ROOT=str(caches / "vllm"),
                 TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
@@ -611,6 +612,10 @@ def main() -> None:
         dest="own_caches",
         action="store_false",
         help="let the engines share vLLM's, inductor's and Triton's caches (by default each has its own)",
+    )
+    parser.add_argument(
+        "--cache-root",
+        help="keep each slot's compile caches under this folder, for the next run (default: a fresh one)",
     )
     parser.add_argument(
         "--random-layout",
