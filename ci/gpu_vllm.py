@@ -414,7 +414,7 @@ def _child(args: argparse.Namespace) -> None:
             _say({"event": "burst", "tokens_per_s": per_burst[-1]})
     after = idle()  # (the other engine is still up and idle: the parent lets both exit together)
     if profiler is not None:
-        with open(Path(args.out) / f"profile_{backend}.txt", "w") as f:
+        with open(Path(args.out) / f"profile_{args.child}_{backend}.txt", "w") as f:
             pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
 
@@ -494,7 +494,8 @@ class _Engine:
         if args.cpu_split is not None:
             cmd += ["--cpus", ",".join(map(str, args.cpu_split[slot]))]
         self.backend = backend
-        self.log = Path(args.out) / f"gpu_vllm_{backend}.log"
+        # By slot too: with --calibrate both children run native, and one log each must not be shared.
+        self.log = Path(args.out) / f"gpu_vllm_{slot}_{backend}.log"
         env = {**os.environ, **ENV}
         if args.same_layout:
             env["PYTHONHASHSEED"] = "0"
@@ -587,7 +588,9 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=_SLOTS, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--profile", action="store_true", help="cProfile the bursts; write profile_<backend>.txt to --out"
+        "--profile",
+        action="store_true",
+        help="cProfile the bursts; write profile_<slot>_<backend>.txt to --out",
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")

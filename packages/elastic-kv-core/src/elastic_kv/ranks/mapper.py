@@ -49,8 +49,7 @@ class CoordinatorMapper:
 
     ``calls`` counts the synchronous maps: each made the calling thread (an engine's scheduler) wait for
     the ranks' driver; ``waits`` the ``collect(wait=True)`` calls that had to wait for a background map
-    still queued or running. ``async_jobs`` counts background maps, ``releases`` queued
-    releases.
+    still queued or running. ``async_jobs`` counts background maps, ``releases`` queued releases.
     """
 
     def __init__(self, inner: PageMapper, *, name: str = "elastic-kv-mapper") -> None:
