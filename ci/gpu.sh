@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of the data plane, for the GPU machine (one H200; no network). Run from anywhere:
 #
-#   bash ci/gpu.sh               # build, driver facts, pytest -m gpu, compute-sanitizer memcheck, benchmark
+#   bash ci/gpu.sh               # build, driver facts, pytest -m gpu (data plane, the vLLM plugin's zeroing),
+#                                # compute-sanitizer memcheck, benchmark
 #   bash ci/gpu.sh --no-bench    # everything but the benchmark
 #
 # Needs: python3 with torch (CUDA), pybind11, scikit-build-core, cmake, ninja, pytest; compute-sanitizer on PATH
@@ -53,6 +54,16 @@ step "pytest -m gpu tests/dataplane" "$out/pytest-gpu.log" \
 passed="$(grep -oE '[0-9]+ passed' "$out/pytest-gpu.log" | tail -1 | cut -d' ' -f1)"
 if [ "${passed:-0}" -lt 60 ]; then
     summary+=("FAIL  gpu tests ran: only ${passed:-0} passed (expected >= 60; were they skipped?)")
+    failed=1
+fi
+
+# The vLLM plugin's zeroing of new pages (its own streams and events; needs no vLLM, only the plugin's source).
+step "pytest -m gpu tests/vllm/test_vllm_zeroing_gpu.py" "$out/pytest-gpu-zeroing.log" \
+    env PYTHONPATH="$root/packages/vllm-elastic-kv/src${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" -m pytest -m gpu tests/vllm/test_vllm_zeroing_gpu.py -q -rA -p no:cacheprovider
+passed="$(grep -oE '[0-9]+ passed' "$out/pytest-gpu-zeroing.log" | tail -1 | cut -d' ' -f1)"
+if [ "${passed:-0}" -lt 5 ]; then
+    summary+=("FAIL  zeroing gpu tests ran: only ${passed:-0} passed (expected 5; were they skipped?)")
     failed=1
 fi
 

@@ -2,9 +2,9 @@
 
 vLLM allocates the KV cache inside ``Worker._maybe_get_memory_pool_context("kv_cache")`` (GPU and CPU
 workers alike; the CPU worker inherits ``initialize_from_config``). The mixin overrides exactly that method
-to hand vLLM the elastic allocation context, and ``initialize_from_config`` to set the pool up around
-vLLM's own code. Nothing else of the worker changes: model loading, compilation, CUDA graphs, attention
-and sampling are vLLM's.
+to hand vLLM the elastic allocation context, ``initialize_from_config`` to set the pool up around vLLM's
+own code, and ``execute_model`` to order each step after the zeroing of newly mapped pages. Nothing else
+of the worker changes: model loading, compilation, CUDA graphs, attention and sampling are vLLM's.
 
 Sleep and wake-up: the KV cache's physical memory is released on the scheduler side (``sleep`` pauses the
 scheduler with ``clear_cache``, which resets the prefix cache: every block returns to the ledger, which
@@ -75,6 +75,14 @@ class ElasticWorkerMixin:
         if tag != "kv_cache" or pool is None or pool.allocated:
             return native
         return _nested(native, pool)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``execute_model``, its kernels ordered after the zeroing of newly mapped pages (see
+        :meth:`~vllm_elastic_kv.worker_pool.WorkerPool.order_step`)."""
+        pool = self._elastic_pool
+        if pool is not None:
+            pool.order_step()
+        return super().execute_model(*args, **kwargs)  # type: ignore[misc]
 
     def elastic_kv_info(self) -> dict[str, Any]:
         """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``)."""

@@ -14,8 +14,9 @@ Life cycle (driven by :class:`vllm_elastic_kv.worker.ElasticWorkerMixin`):
 3. :meth:`WorkerPool.close` -- stop listening, release every page and the spaces.
 
 The scheduler decides every map and unmap; this side only executes them. Newly mapped pages are zeroed
-on GPUs (a fresh driver allocation holds arbitrary bytes, and vLLM's own cache starts as zeros) before the
-map is acknowledged, so the step that first uses them never sees garbage.
+on GPUs (a fresh driver allocation holds arbitrary bytes, and vLLM's own cache starts as zeros); the
+memsets are queued before the map is acknowledged, and the worker orders each step after them
+(:meth:`WorkerPool.order_step`), so the step that first uses a page never sees garbage.
 """
 
 from __future__ import annotations
@@ -76,17 +77,33 @@ def make_backend(device: torch.device) -> Any:
 
 class _ZeroingTarget:
     """The rank's view of the ``SpaceGroup``: every call is the group's, and ``map`` also zeroes the new
-    pages' blocks (exact block byte ranges, so no neighbour's bytes are touched) and waits for it.
+    pages' blocks (exact block byte ranges, so no neighbour's bytes are touched).
 
-    On a GPU the memsets run on a stream of their own (non-blocking with respect to the engine's streams),
-    so a map never waits for a forward pass in flight, and are complete before the map is acknowledged.
+    On a GPU the memsets run on a stream of their own and ``map`` returns once they are queued: it waits
+    neither for a forward pass in flight nor for the memsets. Two waits keep that safe:
+
+    * the engine's next step: :meth:`order_step` (the worker calls it before each ``execute_model``) makes
+      the engine's stream wait, on the GPU, for every memset queued so far. A page is mapped, and its
+      memsets queued, before the scheduler hears of it, so the first step that may use it is ordered
+      after them;
+    * unmapping: :meth:`prepare`, :meth:`unmap` and :meth:`close` wait on the host for the memsets first,
+      so none writes to an address after its page is gone.
+
+    (``map`` used to synchronize the stream, and under a prefill the memsets queue behind the forward's
+    kernels: on the H200, Llama-3-8B's shape, a burst's maps took the rank 661 ms with that wait and 485 ms
+    without, and the scheduler's waits for them fell from 75 to 25 ms a burst; ``docs/results/gpu-vllm.md``.)
     """
 
     def __init__(self, group: Any, geometry: BlockGeometry, flats: Sequence[torch.Tensor]) -> None:
         self._group = group
         self._geo = geometry
         self._flats = flats
-        self._stream = torch.cuda.Stream(flats[0].device) if flats and flats[0].is_cuda else None
+        cuda = bool(flats) and flats[0].is_cuda
+        self._stream = torch.cuda.Stream(flats[0].device) if cuda else None
+        self._zeroed = torch.cuda.Event() if cuda else None  # recorded after the latest memsets
+        self._queued = 0  # memset batches queued (rank thread, under the rank's lock)
+        self._ordered = 0  # batches the engine's stream was made to wait for (engine thread)
+        self._synced = 0  # batches the host waited for (rank thread)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
@@ -96,9 +113,39 @@ class _ZeroingTarget:
         if self._stream is None:
             self._zero(pages)
             return
+        assert self._zeroed is not None
         with torch.cuda.stream(self._stream):
             self._zero(pages)
-        self._stream.synchronize()
+        self._zeroed.record(self._stream)
+        self._queued += 1
+
+    def order_step(self) -> None:
+        """Make the current stream (the engine's, before a step) wait for every memset queued so far."""
+        queued = self._queued
+        if queued != self._ordered and self._stream is not None and self._zeroed is not None:
+            # The latest record covers every earlier batch (one stream, in order). A record that races
+            # with this call is a later one: waiting for it too is only conservative.
+            torch.cuda.current_stream(self._stream.device).wait_event(self._zeroed)
+            self._ordered = queued
+
+    def _settle(self) -> None:
+        """Wait on the host for every memset queued so far (before anything is unmapped)."""
+        queued = self._queued
+        if queued != self._synced and self._zeroed is not None:
+            self._zeroed.synchronize()
+            self._synced = queued
+
+    def prepare(self, tx: int, pages: Sequence[int]) -> None:
+        self._settle()
+        self._group.prepare(tx, pages)
+
+    def unmap(self, pages: Sequence[int]) -> None:
+        self._settle()
+        self._group.unmap(pages)
+
+    def close(self) -> None:
+        self._settle()
+        self._group.close()
 
     def _zero(self, pages: Sequence[int]) -> None:
         geo = self._geo
@@ -163,6 +210,7 @@ class WorkerPool:
         self.geometry: BlockGeometry | None = None
         self.handle_pool: Any = None
         self.group: Any = None
+        self._zeroing: _ZeroingTarget | None = None
         self.rank: Rank | None = None
         self.listener: SocketListener | None = None
 
@@ -208,7 +256,9 @@ class WorkerPool:
         self.group = _vmm.SpaceGroup(spaces, observed.extent_tuples(), observed.num_pages, self.handle_pool)
         target: Any = self.group
         if self._zero_on_map:
-            target = _ZeroingTarget(self.group, observed, [torch.from_dlpack(s) for s in spaces])
+            target = self._zeroing = _ZeroingTarget(
+                self.group, observed, [torch.from_dlpack(s) for s in spaces]
+            )
         self.rank = Rank(self.rank_index)
         self.rank.add_pool(target, backend=self.backend, handle_pool=self.handle_pool)
         assert self.plugin.instance is not None
@@ -217,6 +267,13 @@ class WorkerPool:
         logger.info(
             "elastic KV rank %d serving %s on %s", self.rank_index, observed.describe(), self.backend.name
         )
+
+    def order_step(self) -> None:
+        """Before a step's kernels are queued on the current stream: order them after the zeroing of every
+        page mapped so far (a no-op when nothing was mapped since the last step, and off GPUs)."""
+        target = self._zeroing
+        if target is not None:
+            target.order_step()
 
     def info(self) -> dict[str, Any]:
         """This rank's physical state, for diagnostics (``collective_rpc("elastic_kv_info")``)."""
@@ -246,5 +303,5 @@ class WorkerPool:
             # closed socket stops it) instead of reaching a closed group.
             self.rank.remove_pool(0)
         if self.group is not None:
-            self.group.close()
-            self.group = None
+            (self._zeroing or self.group).close()  # the zeroing target waits for its memsets first
+            self.group = self._zeroing = None
