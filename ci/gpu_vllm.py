@@ -41,9 +41,11 @@ Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to `
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import cProfile
 import gc
+import itertools
 import json
 import os
 import pstats
@@ -217,15 +219,22 @@ class _Timeline:
     Wall well above CPU means the thread waited: for the GPU, the driver, or the interpreter lock.
     """
 
+    # With ``traced=True`` a key also sorts its wall time by when the call began, counted from the start
+    # of the burst (``start``): these bounds, in seconds.
+    PHASES = (0.1, 0.5)
+
     def __init__(self) -> None:
         self.on = False
+        self.start = 0.0
         self.seconds: dict[str, list[float]] = {}
         self.calls: dict[str, int] = {}
+        self.phased: dict[str, list[float]] = {}
 
-    def wrap(self, obj: Any, name: str, key: str) -> None:
+    def wrap(self, obj: Any, name: str, key: str, traced: bool = False) -> None:
         inner = getattr(obj, name)
         spent, calls = [0.0, 0.0], self.calls
         self.seconds[key], calls[key] = spent, 0
+        phased = self.phased.setdefault(key, [0.0] * (len(self.PHASES) + 1)) if traced else None
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
@@ -234,15 +243,19 @@ class _Timeline:
             try:
                 return inner(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                spent[0] += wall
                 spent[1] += time.thread_time() - c0
                 calls[key] += 1
+                if phased is not None:
+                    phased[bisect.bisect(self.PHASES, t0 - self.start)] += wall
 
         setattr(obj, name, timed)
 
-    def report(self) -> dict[str, dict[str, float]]:
+    def report(self) -> dict[str, dict[str, Any]]:
         return {
             k: {"s": round(wall, 4), "cpu_s": round(cpu, 4), "calls": self.calls[k]}
+            | ({"phased_s": [round(x, 4) for x in self.phased[k]]} if k in self.phased else {})
             for k, (wall, cpu) in self.seconds.items()
         }
 
@@ -321,14 +334,16 @@ def _child(args: argparse.Namespace) -> None:
         timeline.wrap(pool, "step_completed", "elastic: step_completed (in update)")
         timeline.wrap(pool.mapper, "map", "elastic: scheduler thread waits for map")
         timeline.wrap(pool.mapper, "unmap", "elastic: scheduler thread waits for unmap")
-        timeline.wrap(pool.mapper, "collect", "elastic: scheduler thread collects background maps")
+        timeline.wrap(
+            pool.mapper, "collect", "elastic: scheduler thread collects background maps", traced=True
+        )
         timeline.wrap(pool.ledger, "expect", "elastic: arrivals mapped ahead (in add_request)")
     if worker_pool is not None and worker_pool.rank is not None:
         # Whoever carries the requests (the mapper's thread directly, or a socket listener) calls this.
         timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (off the engine thread)")
         target = worker_pool.rank._pools[0].target
         if hasattr(target, "_zero"):  # the worker's _ZeroingTarget: where a map's time goes
-            timeline.wrap(target, "map", "elastic: rank maps pages (driver and zeroing)")
+            timeline.wrap(target, "map", "elastic: rank maps pages (driver and zeroing)", traced=True)
             timeline.wrap(target, "_zero", "elastic: rank zeroes new pages")
             timeline.wrap(target, "commit", "elastic: rank releases pages")
 
@@ -401,6 +416,7 @@ def _child(args: argparse.Namespace) -> None:
             reference["free"] = mem_get_info()[0]
             prompts = _prompts(args.requests, args.prompt, command["seed"])
             cpu0, t1 = time.thread_time(), time.perf_counter()
+            timeline.start = t1
             timeline.on = sampler.active = True
             with profiler or contextlib.nullcontext():
                 outs = llm.generate(prompts, burst_params, use_tqdm=False)
@@ -555,7 +571,14 @@ def _per_burst(result: dict[str, Any], key: str) -> str:
     entry = result["timeline"].get(key, {"s": 0.0, "cpu_s": 0.0, "calls": 0})
     bursts = len(result["burst_tokens_per_s_each"])
     wall, cpu = 1000 * entry["s"] / bursts, 1000 * entry["cpu_s"] / bursts
-    return f"{wall:.1f} (cpu {cpu:.1f}, {entry['calls'] // bursts} calls)"
+    phases = ""
+    if "phased_s" in entry:
+        edges = [0.0, *_Timeline.PHASES]
+        labels = [f"{lo:g}-{hi:g} s" for lo, hi in itertools.pairwise(edges)] + [f"after {edges[-1]:g} s"]
+        phases = "; by start in the burst: " + ", ".join(
+            f"{label} {1000 * s / bursts:.1f}" for label, s in zip(labels, entry["phased_s"], strict=True)
+        )
+    return f"{wall:.1f} (cpu {cpu:.1f}, {entry['calls'] // bursts} calls{phases})"
 
 
 def _phases(native: dict[str, Any], elastic: dict[str, Any], keys: tuple[str, ...]) -> str:
