@@ -47,6 +47,7 @@ import cProfile
 import gc
 import itertools
 import json
+import logging
 import os
 import pstats
 import shutil
@@ -59,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger("gpu_vllm")
 _MARK = "@@gpu_vllm "  # prefixes the children's protocol lines on stdout
 _SLOTS = ("A", "B")  # the children's --child values; A starts first
 
@@ -532,6 +534,7 @@ class _Engine:
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True
         )
         self.ready = self._receive("ready")
+        logger.info("slot %s (%s) ready: started in %.1f s", slot, backend, self.ready["startup_s"])
 
     def _receive(self, event: str) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -657,6 +660,7 @@ def main() -> None:
             os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
         _child(args)
         return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     split = _cpu_split(args.pin)
     args.cpu_split = split
     if split is not None:
@@ -676,6 +680,10 @@ def main() -> None:
         else:
             n, e = native_engine.burst(2 + r), elastic_engine.burst(2 + r)
         rounds.append((n, e))
+        # As it goes: a run cut short by a time limit still says how far it got.
+        logger.info(
+            "round %d/%d: native %.0f tok/s, elastic %.0f tok/s, ratio %.4f", r + 1, args.bursts, n, e, e / n
+        )
     elastic, native = elastic_engine.finish(), native_engine.finish()
     elastic_engine.close()
     native_engine.close()

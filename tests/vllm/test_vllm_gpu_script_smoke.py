@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "gpu_vllm.py"
 SMALL = ["--cpu-smoke", "--bursts", "1", "--requests", "4", "--output", "16"]
 
 
-def _run(tmp_path: Path, *extra: str) -> str:
+def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *SMALL, "--out", str(tmp_path), *extra],
         capture_output=True,
@@ -25,12 +25,13 @@ def _run(tmp_path: Path, *extra: str) -> str:
     )
     # Exit 1 is the throughput check, which one tiny burst on a shared CPU cannot meet; anything else failed.
     assert done.returncode in (0, 1), done.stdout + done.stderr[-4000:]
-    return done.stdout
+    return done
 
 
 def test_elastic_against_native(tmp_path: Path) -> None:
     # --swap: elastic in the slot that starts second (the slot mapping itself is checked below).
-    out = _run(tmp_path, "--swap")
+    done = _run(tmp_path, "--swap")
+    out = done.stdout
     assert "slots: elastic in B, native in A" in out
     assert "greedy outputs: EQUAL" in out
     for check in (
@@ -42,11 +43,15 @@ def test_elastic_against_native(tmp_path: Path) -> None:
     # the pool, its arrivals hook and its rank were probed
     assert "elastic: rank applies requests (off the engine thread)" in out
     assert "elastic: arrivals mapped ahead (in add_request)" in out
+    assert "by start in the burst: 0-0.1 s" in out  # the scheduler's waits, by when in the burst
     assert (tmp_path / "gpu_vllm.json").exists()
+    # progress as it goes, so that a run cut short by a time limit still says how far it got
+    assert "slot A (native) ready" in done.stderr and "slot B (elastic) ready" in done.stderr
+    assert "round 1/1: native" in done.stderr
 
 
 def test_calibration_runs_two_native_engines(tmp_path: Path) -> None:
-    out = _run(tmp_path, "--calibrate")
+    out = _run(tmp_path, "--calibrate").stdout
     assert out.startswith("A/A (two native engines): ratio slot A / slot B: median"), out
 
 
