@@ -114,10 +114,12 @@ class _ZeroingTarget:
             self._zero(pages)
             return
         assert self._zeroed is not None
-        with torch.cuda.stream(self._stream):
-            self._zero(pages)
-        self._zeroed.record(self._stream)
-        self._queued += 1
+        try:
+            with torch.cuda.stream(self._stream):
+                self._zero(pages)
+        finally:  # memsets queued before a failure are waited for like the others
+            self._zeroed.record(self._stream)
+            self._queued += 1
 
     def order_step(self) -> None:
         """Make the current stream (the engine's, before a step) wait for every memset queued so far."""
