@@ -12,8 +12,8 @@ injector), with the engine's GPU time as sleeps:
 * arrivals: ``--requests`` requests of ``--prompt`` tokens, ``--arrival-us`` apart (vLLM's ``add_request``);
 * prefill: steps of ``--step-tokens`` tokens (``--prefill-ms`` of GPU each), one ``alloc`` per request;
 * decode: ``--output`` steps (``--decode-ms`` each), a new block per request every 16 tokens;
-* idle: every block freed, the pool settled and trimmed to its reserve, as at the engine's idle transition,
-  then ``--idle-ms`` without work (on the GPU, the other engine's burst).
+* idle: every block freed, the pool settled and its reserve trimmed to ``--reserve-min`` pages, as at the
+  engine's idle transition, then ``--idle-ms`` without work (on the GPU, the other engine's burst).
 
 It runs the burst with and without telling the ledger about the arrivals (``KVCacheManager.expect``, which
 the vLLM plugin calls from the scheduler's ``add_request``), alternating, and reports the scheduler thread's
@@ -65,7 +65,10 @@ def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, 
     local = LocalMapper.for_geometry(driver, geometry)
     mapper = CoordinatorMapper(local, name="burst-growth-mapper")
     config = ElasticConfig(
-        page_size=geometry.page_size, reserve_min_pages=1, reserve_max_pages=args.reserve_max, premap=True
+        page_size=geometry.page_size,
+        reserve_min_pages=args.reserve_min,
+        reserve_max_pages=args.reserve_max,
+        premap=True,
     )
     return KVCacheManager(geometry, mapper, config), mapper, local
 
@@ -108,9 +111,9 @@ def _burst(ledger: KVCacheManager, args: argparse.Namespace, expect: bool) -> di
         time.sleep(args.decode_ms / 1000)
     for blocks in live:
         ledger.free(blocks)
+    # The vLLM plugin's idle transition (SchedulerPool.settle_idle): no step runs while idle.
     ledger.settle()
-    ledger.trim()
-    ledger.maintain()
+    ledger.trim(keep=args.reserve_min)
     time.sleep(args.idle_ms / 1000)
     return spent
 
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--prefill-ms", type=float, default=450.0, help="GPU time of a prefill step")
     parser.add_argument("--decode-ms", type=float, default=10.0, help="GPU time of a decode step")
     parser.add_argument("--idle-ms", type=float, default=500.0, help="idle time after a burst")
+    parser.add_argument("--reserve-min", type=int, default=1, help="reserve_min_pages (kept while idle)")
     parser.add_argument("--reserve-max", type=int, default=16, help="reserve_max_pages")
     parser.add_argument("--bursts", type=int, default=3, help="bursts per policy (alternating)")
     args = parser.parse_args()

@@ -136,9 +136,15 @@ def test_emptied_pages_fill_the_reserve_up_to_its_cap_then_unmap() -> None:
         assert [led.page_state(p) for p in range(6)] == ["used"] + ["reserve"] * 2 + ["unmapped"] * 3
         assert pool.group.mapped_pages() == [0, 1, 2]
         check_invariants(pool, set(pages[0]))
-        assert led.trim() == 2
+        with pytest.raises(ValueError, match="keep"):
+            led.trim(keep=-1)
+        assert led.trim(keep=1) == 1  # the oldest goes first: page 1 emptied before page 2
+        assert pool.group.mapped_pages() == [0, 2] and led.page_state(2) == "reserve"
+        assert led.trim(keep=1) == 0
+        assert led.trim() == 1
         assert pool.group.mapped_pages() == [0]
         assert led.charged_bytes == pool.group.mapped_bytes == PAGE_BYTES
+        check_invariants(pool, set(pages[0]))
     finally:
         pool.close()
 

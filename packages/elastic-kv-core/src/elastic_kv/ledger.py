@@ -481,12 +481,14 @@ class KVCacheManager(PageBacking):
             phys = self._phys
             logger.info("pool %s shrinking: %d bytes backed, limit %d", self._name, phys.charged, phys.limit)
 
-    def trim(self) -> int:
-        """Unmap every reserve page now; returns how many were unmapped. Pages pending release stay until
-        their epoch is released."""
+    def trim(self, keep: int = 0) -> int:
+        """Unmap reserve pages now, all but the ``keep`` most recently added; returns how many were
+        unmapped. Pages pending release stay until their epoch is released. ``ValueError`` if ``keep < 0``."""
+        if keep < 0:
+            raise ValueError(f"keep={keep} must be >= 0")
         if get_ident() != self._owner:
             self._refuse()
-        return self._trim_reserve(0)
+        return self._trim_reserve(keep)
 
     def _trim_reserve(self, keep: int) -> int:
         excess = len(self._reserve) - keep

@@ -16,7 +16,7 @@ overridden by ``additional_config["elastic_kv"]`` (a dict of field names; sizes 
 * ``capacity_bytes`` / ``ELASTIC_KV_CAPACITY`` -- the KV cache's virtual capacity when
   ``--kv-cache-memory-bytes`` is not given (which always wins); 0 = vLLM's own sizing;
 * ``idle_cache_bytes`` / ``ELASTIC_KV_IDLE_CACHE`` -- prefix-cache pages an idle engine keeps backed
-  (default 0: an idle engine returns everything but the null block's page).
+  (default 0: an idle engine keeps the null block's page and its minimum reserve, ``reserve_min_pages``).
 
 When the front end activates the elastic backend it writes the resolved choice and an engine instance token
 into ``additional_config``, so the engine core and the workers, which receive the same

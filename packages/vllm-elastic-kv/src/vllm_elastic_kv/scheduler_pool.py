@@ -20,8 +20,9 @@ mapped in the background while the engine is still taking the burst in, not whil
 
 Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
 epoch; :meth:`SchedulerPool.step_completed` when the scheduler processes that step's output releases pages
-emptied up to it; :meth:`SchedulerPool.settle_idle` returns everything but the null block's page when the
-engine goes idle (no step in flight). Everything runs on the scheduler's thread, which owns the ledger.
+emptied up to it; :meth:`SchedulerPool.settle_idle` returns everything but the null block's page and the
+minimum reserve (``reserve_min_pages``; nothing for sleep) when the engine goes idle (no step in flight).
+Everything runs on the scheduler's thread, which owns the ledger.
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ class SchedulerPool:
 
     def settle_idle(self, wait: bool = False) -> None:
         """The engine has nothing left to run: once no step is in flight, release every pending page and
-        the reserve (the next request maps what it needs) and publish the pool's state for ``kvctl``.
+        the reserve but its minimum (``reserve_min_pages``, as while the engine runs: the next burst's
+        first step finds them backed; 0 when the pool is over its limit) and publish the pool's state for
+        ``kvctl``. ``wait`` (sleep, ``reset_prefix_cache``) releases the minimum reserve too.
 
         vLLM's engine loop blocks while idle and the ledger belongs to the scheduler's thread, so this runs
         at the transition to idle (last output processed, last request aborted, prefix cache reset, sleep)
@@ -232,7 +235,8 @@ class SchedulerPool:
         if not self.epochs.quiesce():
             return
         self.ledger.settle()
-        self.ledger.trim()
+        keep = 0 if wait or self.over_limit() else self.plugin.elastic.reserve_min_pages
+        self.ledger.trim(keep=keep)
         self.record.publish(self.ledger.snapshot())
         self._waits_seen = self._driver_waits()  # waiting here held up no step: the engine is idle
         if wait:
