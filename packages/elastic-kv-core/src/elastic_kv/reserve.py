@@ -41,19 +41,27 @@ class ReservePolicy:
     def note_acquired(self, pages: int) -> None:
         """``pages`` empty pages were just taken into use; a burst above the target raises it at once."""
         self._current += pages
-        if self._current > self._target:
-            self._target = min(self._max, self._current)
+        self._raise_target()
 
     def note_expected(self, pages: int) -> None:
         """The engine expects to take about ``pages`` empty pages into use soon; the interval's demand is
         at least that (it raises the target at once, like :meth:`note_acquired`)."""
         self._expected = max(self._expected, pages)
-        if pages > self._target:
-            self._target = min(self._max, pages)
+        self._raise_target()
+
+    def _demand(self) -> int:
+        """The current interval's demand: pages taken into use, or expected if more."""
+        return max(self._current, self._expected)
+
+    def _raise_target(self) -> None:
+        """Demand above the target raises it at once (up to ``max_pages``); it falls between intervals."""
+        demand = self._demand()
+        if demand > self._target:
+            self._target = min(self._max, demand)
 
     def end_interval(self) -> int:
         """Close the current interval (one engine step) and return the new target."""
-        self._history.append(max(self._current, self._expected))
+        self._history.append(self._demand())
         self._current = self._expected = 0
         self._target = min(self._max, max(self._min, max(self._history)))
         return self._target
