@@ -150,17 +150,23 @@ class _ZeroingTarget:
         self._group.close()
 
     def _zero(self, pages: Sequence[int]) -> None:
+        """Zero the blocks of ``pages`` with one ``_foreach_zero_`` (torch's multi-tensor kernels, as its
+        optimizers use): on the H200 a page of Llama-3-8B's shape (32 byte ranges of 8 MiB) takes the GPU
+        0.11 ms that way against 0.22-0.25 ms with a ``zero_`` per range, and the rank launches a few
+        kernels instead of 32 (``benchmarks/map_under_load.py``)."""
         geo = self._geo
+        ranges: list[torch.Tensor] = []
         for blocks in _block_runs(geo, pages):
             for fam in geo.families:
                 flat = self._flats[fam.space]
                 if fam.stride == fam.nbytes:  # dense: the run's blocks are one byte range
-                    lo = fam.base + blocks.start * fam.stride
-                    flat[lo : fam.base + blocks.stop * fam.stride].zero_()
+                    lo, hi = (fam.base + b * fam.stride for b in (blocks.start, blocks.stop))
+                    ranges.append(flat[lo:hi])
                 else:
-                    for b in blocks:
-                        lo = fam.base + b * fam.stride
-                        flat[lo : lo + fam.nbytes].zero_()
+                    starts = (fam.base + b * fam.stride for b in blocks)
+                    ranges.extend(flat[lo : lo + fam.nbytes] for lo in starts)
+        if ranges:
+            torch._foreach_zero_(ranges)
 
 
 def _block_runs(geometry: BlockGeometry, pages: Sequence[int]) -> list[range]:
