@@ -19,6 +19,7 @@ from vllm_elastic_kv.layout import (
     observed_geometry,
     planned_geometry,
     pool_geometry,
+    reserve_min_pages,
     view_families,
 )
 from vllm_elastic_kv.worker_pool import _ZeroingTarget
@@ -242,11 +243,11 @@ def test_model_features_are_named() -> None:
         check_model(plain, shared_kv_layers=2)
 
 
-def _per_tensor_config(num_layers: int, num_blocks: int) -> Any:
-    """A 0.26-style KVCacheConfig: one tensor per layer, 8 KiB blocks."""
+def _per_tensor_config(num_layers: int, num_blocks: int, kv_heads: int = 2, head_size: int = 64) -> Any:
+    """A 0.26-style KVCacheConfig: one tensor per layer, 16-token blocks (8 KiB by default)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.float16)
 
     class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
         def __init__(self, name: str) -> None:
@@ -272,8 +273,36 @@ def test_automatic_slot_size_keeps_pages_within_256_mib(layers: int, slot_mib: i
     assert auto.blocks_per_page == configured.blocks_per_page * (slot_mib // 2)
 
 
-def test_page_size_set_says_whether_the_user_chose_it() -> None:
-    assert not PluginConfig.resolve({}, {}).page_size_set
-    assert PluginConfig.resolve({}, {"ELASTIC_KV_PAGE_SIZE": "4M"}).page_size_set
-    assert PluginConfig.resolve({"elastic_kv": {"page_size": "4M"}}, {}).page_size_set
-    assert not PluginConfig.resolve({}, {"ELASTIC_KV_LIMIT": "1G"}).page_size_set
+def test_chosen_names_the_settings_the_user_set() -> None:
+    """Only these settings are sized automatically on GPUs when the user leaves them unset."""
+    assert PluginConfig.resolve({}, {}).chosen == frozenset()
+    env = {"ELASTIC_KV_PAGE_SIZE": "4M", "ELASTIC_KV_RESERVE_MIN": "0", "ELASTIC_KV_LIMIT": "1G"}
+    assert PluginConfig.resolve({}, env).chosen == {"page_size", "reserve_min_pages"}
+    options = {"elastic_kv": {"page_size": "4M", "reserve_min_pages": 2}}
+    assert PluginConfig.resolve(options, {}).chosen == {"page_size", "reserve_min_pages"}
+    assert PluginConfig.resolve({}, {"ELASTIC_KV_LIMIT": "1G"}).chosen == set()
+
+
+def test_gpu_minimum_reserve_covers_one_scheduler_step() -> None:
+    """On GPUs the default minimum reserve is the pages one step's ``max_num_batched_tokens`` fill;
+    a user's setting, and every backend off GPUs, keep the configured value."""
+    from vllm.config import VllmConfig
+
+    cfg = _per_tensor_config(32, num_blocks=16384, kv_heads=8, head_size=128)  # Llama-3-8B: 64 KiB blocks
+    vllm_config = VllmConfig()
+    vllm_config.scheduler_config.max_num_batched_tokens = 16384  # vLLM's offline default on an H200
+    plugin = PluginConfig.resolve({}, {})
+    geo = pool_geometry(cfg, vllm_config, "per_tensor", plugin.elastic, auto_page_size=True)
+    assert geo.blocks_per_page == 128  # 32 slots of 8 MiB, 8 KiB blocks: a 256 MiB page
+    assert reserve_min_pages(plugin, vllm_config, cfg, geo, gpu=True) == 8  # 1024 blocks
+    assert reserve_min_pages(plugin, vllm_config, cfg, geo, gpu=False) == 1
+    vllm_config.scheduler_config.max_num_batched_tokens = 16384 + 1  # one more block: a ninth page
+    assert reserve_min_pages(plugin, vllm_config, cfg, geo, gpu=True) == 9
+    vllm_config.scheduler_config.max_num_batched_tokens = 16
+    assert reserve_min_pages(plugin, vllm_config, cfg, geo, gpu=True) == 1
+    vllm_config.scheduler_config.max_num_batched_tokens = 1 << 20  # capped by the reserve's maximum
+    assert reserve_min_pages(plugin, vllm_config, cfg, geo, gpu=True) == plugin.elastic.reserve_max_pages
+    for chosen in ({"ELASTIC_KV_RESERVE_MIN": "0"}, {"ELASTIC_KV_RESERVE_MIN": "3"}):
+        user = PluginConfig.resolve({}, chosen)
+        value = user.elastic.reserve_min_pages
+        assert reserve_min_pages(user, vllm_config, cfg, geo, gpu=True) == value

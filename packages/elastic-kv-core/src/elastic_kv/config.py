@@ -9,7 +9,8 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
 
     ELASTIC_KV_PAGE_SIZE          slot size of every space, e.g. 2M (default 2 MiB, the CUDA granularity)
     ELASTIC_KV_MAX_PAGE_SLOTS     most slots one logical page may span to keep blocks from straddling (8)
-    ELASTIC_KV_RESERVE_MIN        pages always kept mapped and free when the limit allows (1)
+    ELASTIC_KV_RESERVE_MIN        pages always kept mapped and free when the limit allows (1; the vLLM
+                                  plugin sizes it to one scheduler step on GPUs)
     ELASTIC_KV_RESERVE_MAX        cap on mapped free pages; more are unmapped (16)
     ELASTIC_KV_RESERVE_WINDOW     maintenance steps of growth history that size the reserve (32)
     ELASTIC_KV_PREMAP             1/0: refill the reserve on the data plane's background thread (1)

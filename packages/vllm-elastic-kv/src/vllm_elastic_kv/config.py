@@ -11,7 +11,11 @@ Everything the plugin reads comes through :meth:`PluginConfig.resolve`, in this 
 
 Pool settings are :class:`elastic_kv.config.ElasticConfig` fields: ``ELASTIC_KV_*`` environment variables,
 overridden by ``additional_config["elastic_kv"]`` (a dict of field names; sizes may be strings such as
-``"2M"``). Two settings are the plugin's own (same two sources):
+``"2M"``). On GPUs two of them, when the user sets neither source (:data:`AUTO_SIZED`), are sized to the
+model and the engine instead of taking the core's defaults: the slot size (``page_size``,
+:func:`vllm_elastic_kv.layout.pool_geometry`) and the minimum reserve (``reserve_min_pages``, one scheduler
+step's pages, :func:`vllm_elastic_kv.layout.reserve_min_pages`). Two settings are the plugin's own (same two
+sources):
 
 * ``capacity_bytes`` / ``ELASTIC_KV_CAPACITY`` -- the KV cache's virtual capacity when
   ``--kv-cache-memory-bytes`` is not given (which always wins); 0 = vLLM's own sizing;
@@ -39,6 +43,7 @@ from elastic_kv.config import ENV_PREFIX, ElasticConfig, parse_size
 from elastic_kv.errors import ConfigError
 
 __all__ = [
+    "AUTO_SIZED",
     "BACKEND_ENV",
     "BACKEND_KEY",
     "INSTANCE_KEY",
@@ -57,6 +62,8 @@ BACKEND_ENV = f"{ENV_PREFIX}BACKEND"
 _PLUGIN_OPTIONS = {"capacity_bytes": f"{ENV_PREFIX}CAPACITY", "idle_cache_bytes": f"{ENV_PREFIX}IDLE_CACHE"}
 # Plugin-level environment variables: kept away from ElasticConfig.from_env, which warns on unknown names.
 _PLUGIN_ENV = frozenset({BACKEND_ENV, *_PLUGIN_OPTIONS.values()})
+# ElasticConfig fields that the plugin sizes on GPUs unless the user sets them -> their variable's suffix.
+AUTO_SIZED = {"page_size": "PAGE_SIZE", "reserve_min_pages": "RESERVE_MIN"}
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SIZE_FIELDS = frozenset({"page_size", "limit_bytes", "min_free_bytes"})
 
@@ -96,9 +103,10 @@ class PluginConfig:
     instance: str | None = None
     capacity_bytes: int = 0
     idle_cache_bytes: int = 0
-    # Whether the user chose elastic.page_size (ELASTIC_KV_PAGE_SIZE or additional_config); if not, GPUs
-    # size their slots to the model (vllm_elastic_kv.layout.pool_geometry).
-    page_size_set: bool = False
+    # The settings among AUTO_SIZED that the user chose (ELASTIC_KV_* or additional_config); on GPUs the
+    # plugin sizes the others to the model and the engine (vllm_elastic_kv.layout.pool_geometry and
+    # step_reserve_pages).
+    chosen: frozenset[str] = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -139,15 +147,12 @@ class PluginConfig:
         pool_env = {k: v for k, v in environ.items() if k not in _PLUGIN_ENV}
         elastic = ElasticConfig.from_env(pool_env, **overrides)
         sizes = {name: _plugin_size(name, pool_options, environ) for name in _PLUGIN_OPTIONS}
-        page_size_set = "page_size" in overrides or bool(pool_env.get(f"{ENV_PREFIX}PAGE_SIZE", "").strip())
-        return cls(
-            backend=backend,
-            source=source,
-            elastic=elastic,
-            instance=instance,
-            page_size_set=page_size_set,
-            **sizes,
+        chosen = frozenset(
+            name
+            for name, env in AUTO_SIZED.items()
+            if name in overrides or pool_env.get(f"{ENV_PREFIX}{env}", "").strip()
         )
+        return cls(backend=backend, source=source, elastic=elastic, instance=instance, chosen=chosen, **sizes)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, environ: Mapping[str, str]) -> PluginConfig:

@@ -39,7 +39,7 @@ from elastic_kv.registry import PoolRecord
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.layout import pool_geometry
+from vllm_elastic_kv.layout import pool_geometry, reserve_min_pages
 from vllm_elastic_kv.worker_pool import local_rank
 
 __all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
@@ -141,10 +141,18 @@ class SchedulerPool:
             vllm_config,
             support.kv_allocation,
             plugin.elastic,
-            auto_page_size=not plugin.page_size_set and current_platform.is_cuda_alike(),
+            auto_page_size="page_size" not in plugin.chosen and current_platform.is_cuda_alike(),
             split_kv=current_platform.is_rocm(),
         )
-        cfg = dataclasses.replace(plugin.elastic, defer_release=True, page_size=self.geometry.page_size)
+        self.reserve_min_pages = reserve_min_pages(
+            plugin, vllm_config, kv_cache_config, self.geometry, gpu=current_platform.is_cuda_alike()
+        )
+        cfg = dataclasses.replace(
+            plugin.elastic,
+            defer_release=True,
+            page_size=self.geometry.page_size,
+            reserve_min_pages=self.reserve_min_pages,
+        )
         world = vllm_config.parallel_config.world_size
         self.transport = _transport(plugin.instance, world)
         self.coordinator = Coordinator(self.transport, handshake_timeout=_HANDSHAKE_TIMEOUT_S)
@@ -235,7 +243,7 @@ class SchedulerPool:
         if not self.epochs.quiesce():
             return
         self.ledger.settle()
-        keep = 0 if wait or self.over_limit() else self.plugin.elastic.reserve_min_pages
+        keep = 0 if wait or self.over_limit() else self.reserve_min_pages
         self.ledger.trim(keep=keep)
         self.record.publish(self.ledger.snapshot())
         self._waits_seen = self._driver_waits()  # waiting here held up no step: the engine is idle

@@ -211,7 +211,7 @@ class WorkerPool:
             vllm_config,
             support.kv_allocation,
             plugin.elastic,
-            auto_page_size=not plugin.page_size_set and self.device.type == "cuda",
+            auto_page_size="page_size" not in plugin.chosen and self.device.type == "cuda",
             split_kv=self.device.type == "cuda" and torch.version.hip is not None,
         )
         self._allocation: KVAllocation | None = None
