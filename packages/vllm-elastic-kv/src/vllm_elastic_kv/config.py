@@ -105,7 +105,7 @@ class PluginConfig:
     idle_cache_bytes: int = 0
     # The settings among AUTO_SIZED that the user chose (ELASTIC_KV_* or additional_config); on GPUs the
     # plugin sizes the others to the model and the engine (vllm_elastic_kv.layout.pool_geometry and
-    # step_reserve_pages).
+    # reserve_min_pages).
     chosen: frozenset[str] = frozenset()
 
     @property

@@ -170,7 +170,7 @@ def reserve_min_pages(
     """The pool's minimum reserve, the empty pages it keeps backed even while idle: the user's
     ``reserve_min_pages`` (``ELASTIC_KV_RESERVE_MIN``) if set, or off GPUs; on GPUs by default the pages one
     scheduler step can fill (``max_num_batched_tokens`` new tokens in every KV cache group), within
-    ``[1, reserve_max_pages]``. The scheduler and every worker compute the same value.
+    ``[1, reserve_max_pages]``. The scheduler uses it (the ledger's reserve, and what an idle pool keeps).
 
     Why: a page costs a GPU rank milliseconds of driver calls (~4 ms for Llama-3-8B's shape on the H200,
     32 slots of 8 MiB), and a burst from idle opens with a prefill step of up to ``max_num_batched_tokens``
