@@ -179,9 +179,9 @@ def reserve_min_pages(
     memory, 2 GiB there (``docs/results/gpu-vllm.md``). The host backend maps a page in microseconds.
     """
     elastic = plugin.elastic
-    tokens = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
-    if not gpu or "reserve_min_pages" in plugin.chosen or not tokens:
+    if not gpu or "reserve_min_pages" in plugin.chosen:
         return elastic.reserve_min_pages
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
     blocks = sum(-(-tokens // group.kv_cache_spec.block_size) for group in kv_cache_config.kv_cache_groups)
     return max(1, min(-(-blocks // geometry.blocks_per_page), elastic.reserve_max_pages))
 

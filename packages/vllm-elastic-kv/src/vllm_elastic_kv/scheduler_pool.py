@@ -136,16 +136,17 @@ class SchedulerPool:
 
         assert plugin.instance is not None
         self.plugin = plugin
+        gpu = current_platform.is_cuda_alike()
         self.geometry = pool_geometry(
             kv_cache_config,
             vllm_config,
             support.kv_allocation,
             plugin.elastic,
-            auto_page_size="page_size" not in plugin.chosen and current_platform.is_cuda_alike(),
+            auto_page_size="page_size" not in plugin.chosen and gpu,
             split_kv=current_platform.is_rocm(),
         )
         self.reserve_min_pages = reserve_min_pages(
-            plugin, vllm_config, kv_cache_config, self.geometry, gpu=current_platform.is_cuda_alike()
+            plugin, vllm_config, kv_cache_config, self.geometry, gpu=gpu
         )
         cfg = dataclasses.replace(
             plugin.elastic,
