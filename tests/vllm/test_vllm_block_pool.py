@@ -226,6 +226,61 @@ def test_trim_returns_only_pages_that_hold_nothing_else() -> None:
     assert stack.pool.num_cached == 1
 
 
+def _idle_with_cached_pages(stack: Stack) -> tuple[list[int], list[int]]:
+    """Two finished requests, a (one page) then b (a page and half of another), and the pinned request
+    finished too: no request holds a block, 5 blocks on 3 pages are cached. Returns their tokens."""
+    a_tokens = list(range(1000, 1000 + 2 * BLOCK))
+    b_tokens = list(range(2000, 2000 + 3 * BLOCK))
+    for tokens in (a_tokens, b_tokens):
+        req = stack.request(tokens)
+        _allocate(stack, req)
+        _finish(stack, req)
+    _finish(stack, stack.pin)
+    assert stack.pool.num_cached == 5 and stack.pool.num_referenced == 0
+    assert stack.group.num_mapped == 4  # the null page and the 3 cached pages
+    return a_tokens, b_tokens
+
+
+def _hits(stack: Stack, tokens: list[int]) -> int:
+    return int(stack.manager.get_computed_blocks(stack.request([*tokens, 1]))[1]) // BLOCK
+
+
+def test_idle_trim_returns_every_cached_page_and_forgets_its_hashes() -> None:
+    stack = _stack()
+    a_tokens, b_tokens = _idle_with_cached_pages(stack)
+    assert stack.pool.trim_cached() == 3
+    assert stack.pool.num_cached == 0 and stack.ledger.used_blocks == 0
+    assert stack.group.num_mapped == 1  # the null page only
+    assert _hits(stack, a_tokens) == 0 and _hits(stack, b_tokens) == 0
+    assert stack.pool.trim_cached() == 0  # nothing left
+
+
+def test_idle_trim_keeps_the_most_recently_used_pages() -> None:
+    stack = _stack()
+    a_tokens, b_tokens = _idle_with_cached_pages(stack)
+    assert stack.pool.trim_cached(keep_pages=2) == 1  # a's page, the least recently used
+    assert stack.group.num_mapped == 3
+    assert _hits(stack, a_tokens) == 0 and _hits(stack, b_tokens) == 3
+
+
+def test_trim_tells_reuse_watchers_their_blocks_are_gone() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    if not hasattr(BlockPool, "unpin_blocks"):
+        pytest.skip("this vLLM has no unpin_blocks (reuse watchers)")
+    stack = _stack()
+    a = stack.request(list(range(1000, 1000 + 2 * BLOCK)))
+    _allocate(stack, a)
+    blocks = _blocks(stack, a)
+    stack.pool.touch(blocks)  # a reader's reference, released with unpin_blocks below
+    _finish(stack, a)
+    seen: list[int] = []
+    stack.pool.unpin_blocks(blocks, lambda block: seen.append(block.block_id))
+    _finish(stack, stack.pin)
+    assert stack.pool.trim_cached() == 1
+    assert sorted(seen) == sorted(b.block_id for b in blocks)
+
+
 def test_reset_prefix_cache_waits_for_running_requests_then_returns_everything() -> None:
     stack = _stack()
     a = stack.request(list(range(10, 10 + 4 * BLOCK)))
