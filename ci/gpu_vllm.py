@@ -34,7 +34,7 @@ vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``package
 ``PYTHONPATH`` is enough.
 
     python3 ci/gpu_vllm.py [--model tiny|1b|8b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
-                           [--swap | --calibrate] [--out DIR]
+                           [--swap | --calibrate] [--gpu-times] [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -263,6 +263,91 @@ class _Timeline:
         }
 
 
+class _StepSpans:
+    """The GPU's own timeline of the bursts' steps (``--gpu-times``), from CUDA events on the engine's
+    stream: one recorded when ``execute_model`` is called, one after ``sample_tokens`` returns. Per step
+    that gives its *span* (the GPU from the step's first kernel to its sampler's last, including any wait
+    for the step's own launches) and the *gap* before it (the GPU idle between the previous step's end
+    and this one's start: the engine thread was late). Decode steps (one token per request) replay one
+    CUDA graph, so their span is the kernels' own time; comparing it between the engines separates a
+    slower GPU (the elastic cache's memory, its maps' page-table updates) from a slower engine thread
+    (gaps). With the elastic backend a step also counts as *mapping* when the worker's rank was mapping
+    pages at any time between the previous step's end and this one's, on the host's clock."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._event = lambda: torch.cuda.Event(enable_timing=True)
+        self.on = False
+        self.map_events = 0  # rank map calls begun or returned (counted on the rank's thread)
+        self.maps_running = 0  # rank map calls begun and not yet returned
+        self._seen = 0  # map_events when the previous step ended
+        self._open: tuple[Any, str] | None = None  # (start event, kind) of the step being launched
+        self._steps: list[tuple[Any, Any, str, bool]] = []  # recorded, not yet read
+        self.spans: dict[str, list[float]] = {}  # kind -> ms
+        self.gaps: dict[str, list[float]] = {}
+
+    def wrap_engine(self, executor: Any) -> None:
+        execute, sample = executor.execute_model, executor.sample_tokens
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                start = self._event()
+                start.record()
+                tokens = scheduler_output.total_num_scheduled_tokens
+                kind = "decode" if tokens == len(scheduler_output.num_scheduled_tokens) else "prefill"
+                self._open = (start, kind)
+            return execute(scheduler_output, *args, **kwargs)
+
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            out = sample(*args, **kwargs)
+            if self._open is not None:
+                end = self._event()
+                end.record()
+                start, kind = self._open
+                events, self._open = self.map_events, None
+                self._steps.append((start, end, kind, self.maps_running > 0 or events != self._seen))
+                self._seen = events
+            return out
+
+        executor.execute_model, executor.sample_tokens = execute_model, sample_tokens
+
+    def wrap_maps(self, target: Any) -> None:
+        inner = target.map
+
+        def map_pages(*args: Any, **kwargs: Any) -> Any:
+            self.map_events += 1
+            self.maps_running += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.maps_running -= 1
+                self.map_events += 1
+
+        target.map = map_pages
+
+    def burst_done(self) -> None:
+        """Read the burst's events (the caller synchronized the device)."""
+        previous = None
+        for start, end, kind, mapping in self._steps:
+            key = f"{kind}, rank mapping" if mapping else kind
+            self.spans.setdefault(key, []).append(start.elapsed_time(end))
+            if previous is not None:
+                self.gaps.setdefault(key, []).append(max(0.0, previous.elapsed_time(start)))
+            previous = end
+        self._steps, self._open = [], None
+
+    def report(self) -> dict[str, dict[str, float]]:
+        return {
+            key: {
+                "steps": len(spans),
+                "span_ms": round(statistics.fmean(spans), 4),
+                "gap_ms": round(statistics.fmean(self.gaps[key]), 4) if self.gaps.get(key) else 0.0,
+            }
+            for key, spans in sorted(self.spans.items())
+        }
+
+
 def _memory_probe(cpu_smoke: bool) -> tuple[Any, Any, str]:
     """(free-memory reading, synchronize, device name): the driver's on a GPU; host memory in CPU smoke
     mode, which only checks this script itself on a machine without a GPU."""
@@ -349,6 +434,11 @@ def _child(args: argparse.Namespace) -> None:
             timeline.wrap(target, "map", "elastic: rank maps pages (driver and zeroing)", traced=True)
             timeline.wrap(target, "_zero", "elastic: rank zeroes new pages")
             timeline.wrap(target, "commit", "elastic: rank releases pages")
+    spans = _StepSpans() if args.gpu_times else None
+    if spans is not None:
+        spans.wrap_engine(core.model_executor)
+        if worker_pool is not None and worker_pool.rank is not None:
+            spans.wrap_maps(worker_pool.rank._pools[0].target)
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()
@@ -421,13 +511,20 @@ def _child(args: argparse.Namespace) -> None:
             cpu0, t1 = time.thread_time(), time.perf_counter()
             timeline.start = t1
             timeline.on = sampler.active = True
+            if spans is not None:
+                spans.on = True
             with profiler or contextlib.nullcontext():
                 outs = llm.generate(prompts, burst_params, use_tqdm=False)
             timeline.on = sampler.active = False
+            if spans is not None:
+                spans.on = False
             took, cpu = time.perf_counter() - t1, cpu + time.thread_time() - cpu0
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             seconds += took
             per_burst.append(round(made / took, 1))
+            if spans is not None:
+                synchronize()
+                spans.burst_done()
             if not first_burst:
                 first_burst = list(sampler.samples)
             _say({"event": "burst", "tokens_per_s": per_burst[-1]})
@@ -450,6 +547,7 @@ def _child(args: argparse.Namespace) -> None:
         "burst_gc_collections": pauses.count,
         "gc_tracked_objects": len(gc.get_objects()),
         "timeline": timeline.report(),
+        "gpu_step_times": spans.report() if spans is not None else None,
         "used_before": before["used"],
         "used_idle_before_burst": settled["used"],
         "used_max_during": max(s["used"] for s in sampler.samples),
@@ -508,6 +606,7 @@ class _Engine:
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--profile", "--out", args.out] if args.profile else []
         cmd += ["--gc-freeze"] if args.gc_freeze else []
+        cmd += ["--gpu-times"] if args.gpu_times else []
         cmd += ["--socket"] if args.socket else []
         cmd += ["--calibrate"] if args.calibrate else []
         cmd += ["--swap"] if args.swap else []
@@ -598,6 +697,20 @@ def _other(result: dict[str, Any]) -> str:
     return f"{1000 * (result['burst_seconds'] - phases) / bursts:.1f}"
 
 
+def _step_times(native: dict[str, Any], elastic: dict[str, Any]) -> list[str]:
+    """The ``--gpu-times`` lines: mean GPU span and idle gap before it, per kind of step (none without)."""
+    if not native.get("gpu_step_times"):
+        return []
+    lines = ["GPU time per step (CUDA events; span: first kernel to sampler's end, gap: GPU idle before it):"]
+    for name, result in (("native", native), ("elastic", elastic)):
+        for kind, t in result["gpu_step_times"].items():
+            lines.append(
+                f"  {name:7s} {kind:23s} {t['steps']:6d} steps, span {t['span_ms']:.3f} ms, "
+                f"gap {t['gap_ms']:.3f} ms"
+            )
+    return lines
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -621,6 +734,12 @@ def main() -> None:
         help="cProfile the bursts; write profile_<slot>_<backend>.txt to --out",
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
+    parser.add_argument(
+        "--gpu-times",
+        action="store_true",
+        help="time each burst step on the GPU (CUDA events): decode and prefill spans and the idle gaps "
+        "between steps, elastic split by whether its rank was mapping (not with --cpu-smoke)",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU-only machine")
     parser.add_argument(
         "--pin", choices=["shared", "split", "none"], default="shared", help="CPU cores of the engines"
@@ -657,6 +776,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.swap and args.calibrate:
         parser.error("--calibrate runs native in both slots; --swap has nothing to swap")
+    if args.gpu_times and args.cpu_smoke:
+        parser.error("--gpu-times reads CUDA events: it needs a GPU")
     if args.child:
         if args.cpus:  # before vLLM and torch start their threads: they inherit it
             os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
@@ -762,6 +883,7 @@ def main() -> None:
         ),
         f"start-up: native {native['startup_s']} s, elastic {elastic['startup_s']} s, "
         f"delta {elastic['startup_s'] - native['startup_s']:+.2f} s",
+        *_step_times(native, elastic),
         "checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in checks.items()),
     ]
     print("\n".join(lines), flush=True)

@@ -74,3 +74,60 @@ def test_slots_run_the_backends_asked_for() -> None:
         (True, False): ["native", "elastic"],
         (False, True): ["native", "native"],
     }
+
+
+def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
+    # --gpu-times reads CUDA events, which this machine has not: its bookkeeping runs here on events that
+    # read a counter (one tick a record or a map), the spans and gaps checked exactly.
+    import importlib.util
+    import itertools
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    clock = itertools.count()
+
+    class Event:
+        def record(self) -> None:
+            self.t = next(clock)
+
+        def elapsed_time(self, later: Event) -> float:
+            return float(later.t - self.t)
+
+    class Executor:
+        def execute_model(self, scheduler_output: object) -> None:
+            return None
+
+        def sample_tokens(self) -> str:
+            return "sampled"
+
+    class Rank:
+        def map(self, pages: list[int]) -> None:
+            next(clock)
+
+    spans = script._StepSpans()
+    spans._event = Event
+    executor, rank = Executor(), Rank()
+    spans.wrap_engine(executor)
+    spans.wrap_maps(rank)
+
+    def step(tokens: int, requests: int) -> None:
+        output = SimpleNamespace(total_num_scheduled_tokens=tokens)
+        output.num_scheduled_tokens = dict.fromkeys(range(requests), 1)
+        executor.execute_model(output)
+        assert executor.sample_tokens() == "sampled"
+
+    step(4, 4)  # before the burst: not timed
+    spans.on = True
+    step(64, 4)  # prefill: ticks 0-1
+    step(4, 4)  # decode: 2-3, idle gap 1
+    rank.map([1])  # tick 4
+    step(4, 4)  # decode, the rank mapped since the last step ended: 5-6, gap 2
+    spans.burst_done()
+    assert spans.report() == {
+        "decode": {"steps": 1, "span_ms": 1.0, "gap_ms": 1.0},
+        "decode, rank mapping": {"steps": 1, "span_ms": 1.0, "gap_ms": 2.0},
+        "prefill": {"steps": 1, "span_ms": 1.0, "gap_ms": 0.0},
+    }
