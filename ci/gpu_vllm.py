@@ -34,7 +34,7 @@ vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``package
 ``PYTHONPATH`` is enough.
 
     python3 ci/gpu_vllm.py [--model tiny|1b|8b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
-                           [--swap | --calibrate] [--gpu-times] [--out DIR]
+                           [--swap | --calibrate [native|elastic]] [--gpu-times] [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -67,10 +67,10 @@ _SLOTS = ("A", "B")  # the children's --child values; A starts first
 
 
 def _backend(slot: str, args: argparse.Namespace) -> str:
-    """The backend a slot runs: elastic in A (in B with ``--swap``), native in the other; both native with
-    ``--calibrate``."""
+    """The backend a slot runs: elastic in A (in B with ``--swap``), native in the other; with ``--calibrate
+    [BACKEND]`` that backend in both (native by default)."""
     if args.calibrate:
-        return "native"
+        return str(args.calibrate)
     return "elastic" if slot == ("B" if args.swap else "A") else "native"
 
 
@@ -608,12 +608,12 @@ class _Engine:
         cmd += ["--gc-freeze"] if args.gc_freeze else []
         cmd += ["--gpu-times"] if args.gpu_times else []
         cmd += ["--socket"] if args.socket else []
-        cmd += ["--calibrate"] if args.calibrate else []
+        cmd += ["--calibrate", args.calibrate] if args.calibrate else []
         cmd += ["--swap"] if args.swap else []
         if args.cpu_split is not None:
             cmd += ["--cpus", ",".join(map(str, args.cpu_split[slot]))]
         self.backend = backend
-        # By slot too: with --calibrate both children run native, and one log each must not be shared.
+        # By slot too: with --calibrate both children run one backend, and one log each must not be shared.
         self.log = Path(args.out) / f"gpu_vllm_{slot}_{backend}.log"
         env = {**os.environ, **ENV}
         if args.same_layout:
@@ -749,7 +749,11 @@ def main() -> None:
         "--socket", action="store_true", help="reach the worker's rank through its socket, not directly"
     )
     parser.add_argument(
-        "--calibrate", action="store_true", help="A/A: two native engines (the 'elastic' one too)"
+        "--calibrate",
+        nargs="?",
+        const="native",
+        choices=["native", "elastic"],
+        help="A/A: two engines of one backend (native unless given), to measure what the slots differ by",
     )
     parser.add_argument(
         "--swap",
@@ -775,7 +779,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.swap and args.calibrate:
-        parser.error("--calibrate runs native in both slots; --swap has nothing to swap")
+        parser.error("--calibrate runs one backend in both slots; --swap has nothing to swap")
     if args.gpu_times and args.cpu_smoke:
         parser.error("--gpu-times reads CUDA events: it needs a GPU")
     if args.child:
@@ -817,8 +821,8 @@ def main() -> None:
     listed = ", ".join(f"{x:.3f}" for x in ratios)
     if args.calibrate:
         print(
-            f"A/A (two native engines): ratio slot A / slot B: median {ratio:.4f}, mean {mean:.4f}, "
-            f"total time {total:.4f} "
+            f"A/A (two {args.calibrate} engines): ratio slot A / slot B: median {ratio:.4f}, "
+            f"mean {mean:.4f}, total time {total:.4f} "
             f"({listed}); engine-thread CPU {native['burst_thread_cpu_s']} / "
             f"{elastic['burst_thread_cpu_s']} s; per burst "
             + _phases(native, elastic, ("schedule", "execute", "execute: sample", "update")),

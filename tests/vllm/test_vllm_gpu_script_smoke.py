@@ -50,9 +50,12 @@ def test_elastic_against_native(tmp_path: Path) -> None:
     assert "round 1/1: native" in done.stderr
 
 
-def test_calibration_runs_two_native_engines(tmp_path: Path) -> None:
-    out = _run(tmp_path, "--calibrate").stdout
-    assert out.startswith("A/A (two native engines): ratio slot A / slot B: median"), out
+@pytest.mark.parametrize("backend", [None, "elastic"])
+def test_calibration_runs_two_engines_of_one_backend(tmp_path: Path, backend: str | None) -> None:
+    out = _run(tmp_path, "--calibrate", *([backend] if backend else [])).stdout
+    assert out.startswith(f"A/A (two {backend or 'native'} engines): ratio slot A / slot B: median"), out
+    logs = sorted(p.name for p in tmp_path.glob("gpu_vllm_*.log"))
+    assert logs == [f"gpu_vllm_A_{backend or 'native'}.log", f"gpu_vllm_B_{backend or 'native'}.log"]
 
 
 def test_slots_run_the_backends_asked_for() -> None:
@@ -67,12 +70,13 @@ def test_slots_run_the_backends_asked_for() -> None:
         (swap, calibrate): [
             script._backend(slot, argparse.Namespace(swap=swap, calibrate=calibrate)) for slot in "AB"
         ]
-        for swap, calibrate in ((False, False), (True, False), (False, True))
+        for swap, calibrate in ((False, None), (True, None), (False, "native"), (False, "elastic"))
     }
     assert runs == {
-        (False, False): ["elastic", "native"],
-        (True, False): ["native", "elastic"],
-        (False, True): ["native", "native"],
+        (False, None): ["elastic", "native"],
+        (True, None): ["native", "elastic"],
+        (False, "native"): ["native", "native"],
+        (False, "elastic"): ["elastic", "elastic"],
     }
 
 
