@@ -2,11 +2,13 @@
 
 vLLM's own ``KVCacheManager`` runs a simulated workload twice -- over vLLM's ``BlockPool`` and over the
 ``ElasticBlockPool`` with the real ledger and host data plane -- and the script reports the time per
-``allocate_slots`` call and per request free. The workload is the scheduler's: ``--requests`` prompts
-admitted, then ``--steps`` decode steps in which every running request gets one token (a new block every
-``block size`` tokens), then all freed. Runs alternate and the best of ``--rounds`` counts, so a shared
-machine's noise mostly cancels. This isolates the plugin's Python cost on the scheduling thread, which
-end-to-end throughput on a busy 2-core machine cannot resolve.
+``allocate_slots`` call and per request free. Each step's calls run as in the elastic scheduler's
+``schedule()``, with the pool counting only the blocks it holds (``ElasticBlockPool.counting``). The
+workload is the scheduler's: ``--requests`` prompts admitted, then ``--steps`` decode steps in which every
+running request gets one token (a new block every ``block size`` tokens), then all freed. Runs alternate
+and the best of ``--rounds`` counts, so a shared machine's noise mostly cancels. This isolates the
+plugin's Python cost on the scheduling thread, which end-to-end throughput on a busy 2-core machine cannot
+resolve.
 
     python benchmarks/vllm_scheduler_overhead.py [--requests 256] [--steps 128] [--rounds 5]
 """
@@ -14,6 +16,7 @@ end-to-end throughput on a busy 2-core machine cannot resolve.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -52,18 +55,22 @@ def _run(elastic: bool, args: argparse.Namespace) -> dict[str, float]:
     requests = [
         stack.request([(7 * i + j) % 997 + 3 for j in range(args.prompt)]) for i in range(args.requests)
     ]
+    # Each step as the elastic scheduler's ``schedule()`` runs it: counting only the blocks the pool holds.
+    step = stack.pool.counting if elastic else lambda backed_only: contextlib.nullcontext()
     calls = 0
     t0 = time.perf_counter()
-    for req in requests:
-        assert manager.allocate_slots(req, req.num_tokens) is not None
-        req.num_computed_tokens = req.num_tokens
-        calls += 1
-    for _ in range(args.steps):
+    with step(backed_only=True):
         for req in requests:
-            req.append_output_token_ids(5)
-            assert manager.allocate_slots(req, 1, num_lookahead_tokens=0) is not None
-            req.num_computed_tokens += 1
+            assert manager.allocate_slots(req, req.num_tokens) is not None
+            req.num_computed_tokens = req.num_tokens
             calls += 1
+    for _ in range(args.steps):
+        with step(backed_only=True):
+            for req in requests:
+                req.append_output_token_ids(5)
+                assert manager.allocate_slots(req, 1, num_lookahead_tokens=0) is not None
+                req.num_computed_tokens += 1
+                calls += 1
     t1 = time.perf_counter()
     for req in requests:
         manager.free(req)
