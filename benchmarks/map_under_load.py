@@ -87,6 +87,8 @@ _ZEROES = {
     "foreach": lambda views, stream: torch._foreach_zero_(views),
     "driver": _driver_memset,
 }
+# The rank's rows: map alone, map and zero_ per slot waited for, the same queued.
+_ROWS = {"map": "none", "map + zero, waited": "waited", "map + zero, queued": "queued"}
 _METHODS = {
     "zero_ per slot": "queued",
     "zero_ per slot, int64": "int64",
@@ -238,9 +240,6 @@ def _engine_cost(pool: _Pool, pages: int, steps: int, launches: int, matmuls: in
             thread.join()
         base = base or wall
         print(f"{name:24s} {wall:8.3f} {cpu:7.3f} {wall / base:8.3f} {mapped[0]:6d}")
-
-
-_ROWS = {"map": "none", "map + zero, waited": "waited", "map + zero, queued": "queued"}
 
 
 def main() -> None:

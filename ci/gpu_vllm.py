@@ -426,6 +426,7 @@ def _child(args: argparse.Namespace) -> None:
             pool.mapper, "collect", "elastic: scheduler thread collects background maps", traced=True
         )
         timeline.wrap(pool.ledger, "expect", "elastic: arrivals mapped ahead (in add_request)")
+    target = None  # what the worker's rank maps pages through (elastic only)
     if worker_pool is not None and worker_pool.rank is not None:
         # Whoever carries the requests (the mapper's thread directly, or a socket listener) calls this.
         timeline.wrap(worker_pool.rank, "dispatch", "elastic: rank applies requests (off the engine thread)")
@@ -437,8 +438,8 @@ def _child(args: argparse.Namespace) -> None:
     spans = _StepSpans() if args.gpu_times else None
     if spans is not None:
         spans.wrap_engine(core.model_executor)
-        if worker_pool is not None and worker_pool.rank is not None:
-            spans.wrap_maps(worker_pool.rank._pools[0].target)
+        if target is not None:
+            spans.wrap_maps(target)
 
     def probe() -> dict[str, Any]:
         free, _ = mem_get_info()

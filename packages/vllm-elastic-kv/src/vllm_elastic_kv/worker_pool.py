@@ -160,8 +160,8 @@ class _ZeroingTarget:
             for fam in geo.families:
                 flat = self._flats[fam.space]
                 if fam.stride == fam.nbytes:  # dense: the run's blocks are one byte range
-                    lo, hi = (fam.base + b * fam.stride for b in (blocks.start, blocks.stop))
-                    ranges.append(flat[lo:hi])
+                    lo = fam.base + blocks.start * fam.stride
+                    ranges.append(flat[lo : fam.base + blocks.stop * fam.stride])
                 else:
                     starts = (fam.base + b * fam.stride for b in blocks)
                     ranges.extend(flat[lo : lo + fam.nbytes] for lo in starts)
