@@ -175,8 +175,9 @@ def reserve_min_pages(
     Why: a page costs a GPU rank milliseconds of driver calls (~4 ms for Llama-3-8B's shape on the H200,
     32 slots of 8 MiB), and a burst from idle opens with a prefill step of up to ``max_num_batched_tokens``
     tokens. With one page kept while idle that step waited 13-18 ms for background maps and the engine ran
-    at 0.983 of native; keeping the step's 8 pages (16384 tokens), 0.3 ms and 0.990. The price is idle
-    memory, 2 GiB there (``docs/results/gpu-vllm.md``). The host backend maps a page in microseconds.
+    at 0.983 of native over both slot orders; keeping the step's 8 pages (16384 tokens), 0.3-1.5 ms and
+    0.989. The price is idle memory, 2 GiB there (``docs/results/gpu-vllm.md``, sixth and seventh
+    sessions). The host backend maps a page in microseconds.
     """
     elastic = plugin.elastic
     if not gpu or "reserve_min_pages" in plugin.chosen:
