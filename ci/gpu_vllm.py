@@ -232,12 +232,29 @@ class _Timeline:
         self.seconds: dict[str, list[float]] = {}
         self.calls: dict[str, int] = {}
         self.phased: dict[str, list[float]] = {}
+        # With ``edges=True``: the wall seconds of each burst's first and last call, summed over the bursts
+        # (the first schedule and the last update are the engine thread's work while the GPU idles).
+        self.edges: dict[str, list[float]] = {}
+        self._latest: dict[str, float] = {}  # wall of the latest call this burst (keys with edges)
 
-    def wrap(self, obj: Any, name: str, key: str, traced: bool = False) -> None:
+    def begin(self, start: float) -> None:
+        """A burst starts at ``start`` (perf_counter): time calls from now."""
+        self.start, self.on = start, True
+        self._latest.clear()
+
+    def end(self) -> None:
+        """The burst ended: stop timing; its last calls count as the last."""
+        self.on = False
+        for key, wall in self._latest.items():
+            self.edges[key][1] += wall
+
+    def wrap(self, obj: Any, name: str, key: str, traced: bool = False, edges: bool = False) -> None:
         inner = getattr(obj, name)
         spent, calls = [0.0, 0.0], self.calls
         self.seconds[key], calls[key] = spent, 0
         phased = self.phased.setdefault(key, [0.0] * (len(self.PHASES) + 1)) if traced else None
+        first_last = self.edges.setdefault(key, [0.0, 0.0]) if edges else None
+        latest = self._latest
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
@@ -252,6 +269,10 @@ class _Timeline:
                 calls[key] += 1
                 if phased is not None:
                     phased[bisect.bisect(self.PHASES, t0 - self.start)] += wall
+                if first_last is not None:
+                    if key not in latest:
+                        first_last[0] += wall
+                    latest[key] = wall
 
         setattr(obj, name, timed)
 
@@ -259,6 +280,7 @@ class _Timeline:
         return {
             k: {"s": round(wall, 4), "cpu_s": round(cpu, 4), "calls": self.calls[k]}
             | ({"phased_s": [round(x, 4) for x in self.phased[k]]} if k in self.phased else {})
+            | ({"first_last_s": [round(x, 4) for x in self.edges[k]]} if k in self.edges else {})
             for k, (wall, cpu) in self.seconds.items()
         }
 
@@ -286,6 +308,20 @@ class _StepSpans:
         self._steps: list[tuple[Any, Any, str, bool]] = []  # recorded, not yet read
         self.spans: dict[str, list[float]] = {}  # kind -> ms
         self.gaps: dict[str, list[float]] = {}
+        self._bounds: list[Any] = []  # events recorded at the burst's start and end
+        self.edges: dict[str, list[float]] = {"lead": [], "first": [], "tail": []}  # ms, per burst
+
+    def begin(self) -> None:
+        """The burst starts (``generate`` is called): record on the idle stream, then time its steps."""
+        self._bounds = [self._event()]
+        self._bounds[0].record()
+        self.on = True
+
+    def end(self) -> None:
+        """``generate`` returned: record the burst's end, stop timing steps."""
+        self.on = False
+        self._bounds.append(self._event())
+        self._bounds[-1].record()
 
     def wrap_engine(self, executor: Any) -> None:
         execute, sample = executor.execute_model, executor.sample_tokens
@@ -327,7 +363,15 @@ class _StepSpans:
         target.map = map_pages
 
     def burst_done(self) -> None:
-        """Read the burst's events (the caller synchronized the device)."""
+        """Read the burst's events (the caller synchronized the device). Besides each step's span and gap:
+        the burst's *lead*, from ``generate``'s call to its first step's start (requests taken in, the
+        first step scheduled), the span of its *first* step (launched from idle), and its *tail*, from its
+        last sampler's end to ``generate``'s return (the last output processed and returned): the engine
+        thread's time before and after the GPU works."""
+        if self._steps and len(self._bounds) == 2:
+            self.edges["lead"].append(self._bounds[0].elapsed_time(self._steps[0][0]))
+            self.edges["first"].append(self._steps[0][0].elapsed_time(self._steps[0][1]))
+            self.edges["tail"].append(self._steps[-1][1].elapsed_time(self._bounds[1]))
         previous = None
         for start, end, kind, mapping in self._steps:
             key = f"{kind}, rank mapping" if mapping else kind
@@ -346,6 +390,10 @@ class _StepSpans:
             }
             for key, spans in sorted(self.spans.items())
         }
+
+    def edges_report(self) -> dict[str, float]:
+        """Mean lead and tail of the bursts, in ms (see :meth:`burst_done`)."""
+        return {f"{edge}_ms": round(statistics.fmean(ms), 4) for edge, ms in self.edges.items() if ms}
 
 
 def _memory_probe(cpu_smoke: bool) -> tuple[Any, Any, str]:
@@ -412,10 +460,10 @@ def _child(args: argparse.Namespace) -> None:
     pool = getattr(scheduler, "elastic_pool", None)
     worker_pool = getattr(core.model_executor.driver_worker.worker, "_elastic_pool", None)
     timeline = _Timeline()
-    timeline.wrap(scheduler, "schedule", "schedule")
+    timeline.wrap(scheduler, "schedule", "schedule", edges=True)
     timeline.wrap(core.model_executor, "execute_model", "execute")
     timeline.wrap(core.model_executor, "sample_tokens", "execute: sample")
-    timeline.wrap(scheduler, "update_from_output", "update")
+    timeline.wrap(scheduler, "update_from_output", "update", edges=True)
     timeline.wrap(scheduler.kv_cache_manager, "allocate_slots", "schedule: allocate_slots")
     if pool is not None:
         timeline.wrap(pool, "step_dispatched", "elastic: step_dispatched (in schedule)")
@@ -510,15 +558,16 @@ def _child(args: argparse.Namespace) -> None:
             reference["free"] = mem_get_info()[0]
             prompts = _prompts(args.requests, args.prompt, command["seed"])
             cpu0, t1 = time.thread_time(), time.perf_counter()
-            timeline.start = t1
-            timeline.on = sampler.active = True
+            timeline.begin(t1)
+            sampler.active = True
             if spans is not None:
-                spans.on = True
+                spans.begin()
             with profiler or contextlib.nullcontext():
                 outs = llm.generate(prompts, burst_params, use_tqdm=False)
-            timeline.on = sampler.active = False
+            timeline.end()
+            sampler.active = False
             if spans is not None:
-                spans.on = False
+                spans.end()
             took, cpu = time.perf_counter() - t1, cpu + time.thread_time() - cpu0
             made = sum(len(o.outputs[0].token_ids) for o in outs)
             seconds += took
@@ -549,6 +598,7 @@ def _child(args: argparse.Namespace) -> None:
         "gc_tracked_objects": len(gc.get_objects()),
         "timeline": timeline.report(),
         "gpu_step_times": spans.report() if spans is not None else None,
+        "gpu_burst_edges": spans.edges_report() if spans is not None else None,
         "used_before": before["used"],
         "used_idle_before_burst": settled["used"],
         "used_max_during": max(s["used"] for s in sampler.samples),
@@ -683,6 +733,9 @@ def _per_burst(result: dict[str, Any], key: str) -> str:
         phases = "; by start in the burst: " + ", ".join(
             f"{label} {1000 * s / bursts:.1f}" for label, s in zip(labels, entry["phased_s"], strict=True)
         )
+    if "first_last_s" in entry:
+        first, last = (1000 * s / bursts for s in entry["first_last_s"])
+        phases += f"; first {first:.1f}, last {last:.1f}"
     return f"{wall:.1f} (cpu {cpu:.1f}, {entry['calls'] // bursts} calls{phases})"
 
 
@@ -709,6 +762,14 @@ def _step_times(native: dict[str, Any], elastic: dict[str, Any]) -> list[str]:
                 f"  {name:7s} {kind:23s} {t['steps']:6d} steps, span {t['span_ms']:.3f} ms, "
                 f"gap {t['gap_ms']:.3f} ms"
             )
+    lines.append("A burst's edges, ms (lead: generate() called to the first step's start; tail: the last")
+    lines.append("  sampler's end to generate()'s return; the GPU idles in both):")
+    for name, result in (("native", native), ("elastic", elastic)):
+        edges = result.get("gpu_burst_edges") or {}
+        lines.append(
+            f"  {name:7s} lead {edges.get('lead_ms', 0.0):.3f}, "
+            f"first step's span {edges.get('first_ms', 0.0):.3f}, tail {edges.get('tail_ms', 0.0):.3f}"
+        )
     return lines
 
 

@@ -124,14 +124,19 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
         assert executor.sample_tokens() == "sampled"
 
     step(4, 4)  # before the burst: not timed
-    spans.on = True
-    step(64, 4)  # prefill: ticks 0-1
-    step(4, 4)  # decode: 2-3, idle gap 1
-    rank.map([1])  # tick 4
-    step(4, 4)  # decode, the rank mapped since the last step ended: 5-6, gap 2
+    spans.begin()  # tick 0
+    next(clock)  # the requests are taken in: tick 1
+    step(64, 4)  # prefill: ticks 2-3, lead 2
+    step(4, 4)  # decode: 4-5, idle gap 1
+    rank.map([1])  # tick 6
+    step(4, 4)  # decode, the rank mapped since the last step ended: 7-8, gap 2
+    next(clock)  # the last output is returned: tick 9
+    spans.end()  # tick 10, tail 2
+    step(4, 4)  # after the burst: not timed
     spans.burst_done()
     assert spans.report() == {
         "decode": {"steps": 1, "span_ms": 1.0, "gap_ms": 1.0},
         "decode, rank mapping": {"steps": 1, "span_ms": 1.0, "gap_ms": 2.0},
         "prefill": {"steps": 1, "span_ms": 1.0, "gap_ms": 0.0},
     }
+    assert spans.edges_report() == {"lead_ms": 2.0, "first_ms": 1.0, "tail_ms": 2.0}
