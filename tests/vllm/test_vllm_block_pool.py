@@ -89,6 +89,7 @@ def _stack(
     defer_release: bool = False,
     reserve: tuple[int, int] = (0, 0),
     blocks_per_page: int = 2,
+    events: bool = False,
 ) -> Stack:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -113,7 +114,12 @@ def _stack(
         compat.target("vllm.v1.core.kv_cache_coordinator", "BlockPool"), ElasticBlockPool
     ):
         manager = ElasticKVCacheManager(
-            cfg, max_model_len=1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=caching
+            cfg,
+            max_model_len=1024,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_caching=caching,
+            enable_kv_cache_events=events,
         )
     pool = manager.block_pool
     assert isinstance(pool, ElasticBlockPool)
@@ -253,6 +259,60 @@ def test_idle_trim_returns_every_cached_page_and_forgets_its_hashes() -> None:
     assert stack.group.num_mapped == 1  # the null page only
     assert _hits(stack, a_tokens) == 0 and _hits(stack, b_tokens) == 0
     assert stack.pool.trim_cached() == 0  # nothing left
+
+
+def _count_evictions(pool: ElasticBlockPool) -> list[int]:
+    """Block ids that vLLM's per-block eviction sees from now on."""
+    seen: list[int] = []
+    evict = pool._maybe_evict_cached_block
+
+    def counted(block: Any) -> bool:
+        seen.append(block.block_id)
+        return evict(block)
+
+    pool._maybe_evict_cached_block = counted  # type: ignore[method-assign]
+    return seen
+
+
+def test_idle_trim_forgets_the_whole_cache_at_once() -> None:
+    stack = _stack()
+    a_tokens, b_tokens = _idle_with_cached_pages(stack)
+    cached = [b for b in stack.pool.blocks if b.block_hash is not None]
+    assert len(cached) == 5
+    evicted = _count_evictions(stack.pool)
+    assert stack.pool.trim_cached() == 3
+    assert evicted == []  # no block-by-block eviction: the maps were replaced
+    assert all(b.block_hash is None for b in cached)
+    assert not stack.pool.cached_block_hashes_by_block
+    assert _hits(stack, a_tokens) == 0 and _hits(stack, b_tokens) == 0
+    # The cache works as before afterwards.
+    again = stack.request(a_tokens)
+    _allocate(stack, again)
+    _finish(stack, again)
+    assert _hits(stack, a_tokens) == 2
+
+
+def test_idle_trim_with_kv_events_reports_every_evicted_block() -> None:
+    from vllm.distributed.kv_events import BlockRemoved
+
+    stack = _stack(events=True)
+    a_tokens, b_tokens = _idle_with_cached_pages(stack)
+    stack.pool.take_events()
+    evicted = _count_evictions(stack.pool)
+    assert stack.pool.trim_cached() == 3
+    assert len(evicted) == 5  # vLLM's own eviction, one event per block
+    removed = [h for e in stack.pool.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert len(removed) == 5
+    assert _hits(stack, a_tokens) == 0 and _hits(stack, b_tokens) == 0
+
+
+def test_trim_that_keeps_pages_evicts_block_by_block() -> None:
+    stack = _stack()
+    _idle_with_cached_pages(stack)
+    evicted = _count_evictions(stack.pool)
+    assert stack.pool.trim_cached(keep_pages=2) == 1
+    assert len(evicted) == 2  # a's page; b's blocks keep their hashes
+    assert sum(b.block_hash is not None for b in stack.pool.blocks) == 3
 
 
 def test_idle_trim_keeps_the_most_recently_used_pages() -> None:
