@@ -278,6 +278,73 @@ def _bursts(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
         _print_profile_difference(profilers, args.bursts, unit="burst")
 
 
+def _steps(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
+    """Steps of running requests, native and elastic in alternating slices; prints the ratios as JSON."""
+    for _ in range(args.warmup):
+        for d in drivers.values():
+            d.step()
+    profilers: dict[str, Any] = {}
+    if args.profile:
+        import cProfile
+
+        profilers = {name: cProfile.Profile() for name in drivers}
+    times: dict[str, list[float]] = {"native": [], "elastic": []}
+    cpu: dict[str, list[float]] = {"native": [], "elastic": []}
+    done = 0
+    gc.collect()
+    while done < args.steps:
+        n = min(args.slice, args.steps - done)
+        order = list(drivers.items())
+        if (done // args.slice) % 2:
+            order.reverse()  # alternate who goes first, so that neither side inherits the other's caches
+        for name, d in order:
+            prof = profilers.get(name)
+            if prof is not None:
+                prof.enable()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(n):
+                d.step()
+            times[name].append((time.perf_counter() - t0) / n)
+            cpu[name].append((time.thread_time() - c0) / n)
+            if prof is not None:
+                prof.disable()
+        done += n
+    ratios = [e / n for e, n in zip(times["elastic"], times["native"], strict=True)]
+    cpu_ratios = [e / n for e, n in zip(cpu["elastic"], cpu["native"], strict=True)]
+    pool = getattr(drivers["elastic"].scheduler, "elastic_pool", None)
+    result = {
+        "requests": args.requests,
+        "running": {k: len(d.scheduler.running) for k, d in drivers.items()},
+        "churn": args.churn,
+        "async": args.async_scheduling,
+        "steps": args.steps,
+        "us_per_step": {
+            k: {"median": round(statistics.median(v) * 1e6, 1), "min": round(min(v) * 1e6, 1)}
+            for k, v in times.items()
+        },
+        "ratio_median": round(statistics.median(ratios), 4),
+        "cpu_us_per_step": {k: round(statistics.median(v) * 1e6, 1) for k, v in cpu.items()},
+        "cpu_ratio_median": round(statistics.median(cpu_ratios), 4),
+        "cpu_ratio_mean_ci95": _mean_ci(cpu_ratios),
+        "ratio_of_mins": round(min(times["elastic"]) / min(times["native"]), 4),
+        "added_us_per_step_median": round(
+            (statistics.median(times["elastic"]) - statistics.median(times["native"])) * 1e6, 1
+        ),
+        "elastic_pool": pool
+        and {
+            "blocks_per_page": pool.geometry.blocks_per_page,
+            "steps": pool.steps,
+            "driver_steps": pool.driver_steps,
+            "background_maps": pool.mapper.async_jobs,
+            "mapped_pages": pool.ledger.snapshot().mapped_pages,
+        },
+        "tokens": {k: d.tokens for k, d in drivers.items()},
+    }
+    print(json.dumps(result))
+    if profilers:
+        _print_profile_difference(profilers, args.steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -311,75 +378,15 @@ def main() -> None:
     elastic, worker = _scheduler(args, elastic=not args.calibrate)
     hasher = get_request_block_hasher(BLOCK, sha256)
     drivers = {"native": Driver(native, args, hasher), "elastic": Driver(elastic, args, hasher)}
-    if args.bursts:
-        _bursts(drivers, args)
-        return
-    for _ in range(args.warmup):
-        for d in drivers.values():
-            d.step()
-    profilers: dict[str, Any] = {}
-    if args.profile:
-        import cProfile
-
-        profilers = {name: cProfile.Profile() for name in drivers}
-    times: dict[str, list[float]] = {"native": [], "elastic": []}
-    cpu: dict[str, list[float]] = {"native": [], "elastic": []}
-    done = 0
-    gc.collect()
-    while done < args.steps:
-        n = min(args.slice, args.steps - done)
-        order = list(drivers.items())
-        if (done // args.slice) % 2:
-            order.reverse()  # alternate who goes first, so that neither side inherits the other's caches
-        for name, d in order:
-            prof = profilers.get(name)
-            if prof is not None:
-                prof.enable()
-            c0, t0 = time.thread_time(), time.perf_counter()
-            for _ in range(n):
-                d.step()
-            times[name].append((time.perf_counter() - t0) / n)
-            cpu[name].append((time.thread_time() - c0) / n)
-            if prof is not None:
-                prof.disable()
-        done += n
-    ratios = [e / n for e, n in zip(times["elastic"], times["native"], strict=True)]
-    cpu_ratios = [e / n for e, n in zip(cpu["elastic"], cpu["native"], strict=True)]
-    pool = getattr(elastic, "elastic_pool", None)
-    result = {
-        "requests": args.requests,
-        "running": {k: len(d.scheduler.running) for k, d in drivers.items()},
-        "churn": args.churn,
-        "async": args.async_scheduling,
-        "steps": args.steps,
-        "us_per_step": {
-            k: {"median": round(statistics.median(v) * 1e6, 1), "min": round(min(v) * 1e6, 1)}
-            for k, v in times.items()
-        },
-        "ratio_median": round(statistics.median(ratios), 4),
-        "cpu_us_per_step": {k: round(statistics.median(v) * 1e6, 1) for k, v in cpu.items()},
-        "cpu_ratio_median": round(statistics.median(cpu_ratios), 4),
-        "cpu_ratio_mean_ci95": _mean_ci(cpu_ratios),
-        "ratio_of_mins": round(min(times["elastic"]) / min(times["native"]), 4),
-        "added_us_per_step_median": round(
-            (statistics.median(times["elastic"]) - statistics.median(times["native"])) * 1e6, 1
-        ),
-        "elastic_pool": pool
-        and {
-            "blocks_per_page": pool.geometry.blocks_per_page,
-            "steps": pool.steps,
-            "driver_steps": pool.driver_steps,
-            "background_maps": pool.mapper.async_jobs,
-            "mapped_pages": pool.ledger.snapshot().mapped_pages,
-        },
-        "tokens": {k: d.tokens for k, d in drivers.items()},
-    }
-    print(json.dumps(result))
-    if profilers:
-        _print_profile_difference(profilers, args.steps)
-    elastic.shutdown()
-    if worker is not None:
-        worker.close()
+    try:
+        if args.bursts:
+            _bursts(drivers, args)
+        else:
+            _steps(drivers, args)
+    finally:
+        elastic.shutdown()
+        if worker is not None:
+            worker.close()
 
 
 if __name__ == "__main__":
