@@ -11,13 +11,16 @@ injector), with the engine's GPU time as sleeps:
 
 * arrivals: ``--requests`` requests of ``--prompt`` tokens, ``--arrival-us`` apart (vLLM's ``add_request``);
 * prefill: steps of ``--step-tokens`` tokens (``--prefill-ms`` of GPU each), one ``alloc`` per request;
-* decode: ``--output`` steps (``--decode-ms`` each), a new block per request every 16 tokens;
+* decode: ``--output`` steps (``--decode-ms`` each), a new block per request every 16 tokens, maintained
+  as light steps (``KVCacheManager.maintain(light=True)``, as the vLLM plugin does for decode steps; with
+  ``--heavy-decode`` like prefill steps);
 * idle: every block freed, the pool settled and its reserve trimmed to ``--reserve-min`` pages, as at the
   engine's idle transition, then ``--idle-ms`` without work (on the GPU, the other engine's burst).
 
 It runs the burst with and without telling the ledger about the arrivals (``KVCacheManager.expect``, which
 the vLLM plugin calls from the scheduler's ``add_request``), alternating, and reports the scheduler thread's
-time inside ``alloc`` per burst -- waits for background maps and synchronous maps. The driver's cost is a
+time inside ``alloc`` per burst -- waits for background maps and synchronous maps -- and the pages the
+driver mapped while prefill and while decode steps ran. The driver's cost is a
 model (``--page-ms``; measure it with ``ci/gpu_vllm.py``'s timeline), not the GPU: the numbers show where
 the waits come from and what each policy leaves on the critical path, not an engine's throughput.
 
@@ -46,7 +49,7 @@ BLOCKS_PER_PAGE = 128
 LAYER_BLOCK_BYTES = 4096  # host memory stands in for the GPU's: small blocks, the same page structure
 
 
-def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, LocalMapper]:
+def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, LocalMapper, _vmm.Backend]:
     blocks_needed = args.requests * -(-(args.prompt + args.output) // BLOCK_TOKENS)
     pages = 2 * -(-blocks_needed // BLOCKS_PER_PAGE) + args.reserve_max
     nb = pages * BLOCKS_PER_PAGE
@@ -70,11 +73,15 @@ def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, 
         reserve_max_pages=args.reserve_max,
         premap=True,
     )
-    return KVCacheManager(geometry, mapper, config), mapper, local
+    return KVCacheManager(geometry, mapper, config), mapper, local, driver
 
 
-def _burst(ledger: KVCacheManager, args: argparse.Namespace, expect: bool) -> dict[str, float]:
-    """One burst from idle; seconds the scheduling thread spent in ``alloc``, by phase."""
+def _burst(
+    ledger: KVCacheManager, driver: _vmm.Backend, args: argparse.Namespace, expect: bool
+) -> dict[str, float]:
+    """One burst from idle: seconds the scheduling thread spent in ``alloc``, by phase, and the pages the
+    driver created in the prefill and the decode phase."""
+    created = driver.calls("create")
     prompt_blocks = -(-args.prompt // BLOCK_TOKENS)
     arriving = 0
     for _ in range(args.requests):
@@ -98,6 +105,8 @@ def _burst(ledger: KVCacheManager, args: argparse.Namespace, expect: bool) -> di
         ledger.advance_epoch()
         ledger.maintain()
         time.sleep(args.prefill_ms / 1000)
+    spent["prefill pages"] = (driver.calls("create") - created) / LAYERS
+    created = driver.calls("create")
     for step in range(args.output):
         t0 = time.perf_counter()
         if (args.prompt + step) % BLOCK_TOKENS == 0:
@@ -107,8 +116,9 @@ def _burst(ledger: KVCacheManager, args: argparse.Namespace, expect: bool) -> di
                 live.append(blocks)
         spent["decode"] += time.perf_counter() - t0
         ledger.advance_epoch()
-        ledger.maintain()
+        ledger.maintain(light=not args.heavy_decode)  # as the vLLM plugin does for decode steps
         time.sleep(args.decode_ms / 1000)
+    spent["decode pages"] = (driver.calls("create") - created) / LAYERS
     for blocks in live:
         ledger.free(blocks)
     # The vLLM plugin's idle transition (SchedulerPool.settle_idle): no step runs while idle.
@@ -132,17 +142,22 @@ def main() -> None:
     parser.add_argument("--reserve-min", type=int, default=1, help="reserve_min_pages (kept while idle)")
     parser.add_argument("--reserve-max", type=int, default=16, help="reserve_max_pages")
     parser.add_argument("--bursts", type=int, default=3, help="bursts per policy (alternating)")
+    parser.add_argument(
+        "--heavy-decode",
+        action="store_true",
+        help="maintain decode steps like prefill steps (the reserve refilled up to what prefill took)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    ledger, mapper, local = _pool(args)
+    ledger, mapper, local, driver = _pool(args)
     results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     try:
         ledger.maintain()
         ledger.settle()
         for burst in range(args.bursts):
             for expect in (burst % 2 == 0, burst % 2 == 1):  # alternate which policy goes first
-                results[expect].append(_burst(ledger, args, expect))
+                results[expect].append(_burst(ledger, driver, args, expect))
                 logger.info(
                     "burst %d/%d, arrivals %s: done", burst + 1, args.bursts, "told" if expect else "not told"
                 )
@@ -155,16 +170,26 @@ def main() -> None:
         f"{args.requests} requests x {args.prompt} prompt tokens, {args.output} decode steps; driver "
         f"{args.page_ms} ms per page ({LAYERS} handles); arrivals {args.arrival_us} us apart"
     )
-    print("scheduler thread in alloc per burst, ms (median of bursts): first step / prefill / decode")
+    print(
+        "per burst (median of bursts): scheduler thread in alloc, ms: first step / prefill / decode; "
+        "pages mapped in the prefill / decode phase (decode steps maintained as "
+        f"{'heavy' if args.heavy_decode else 'light'})"
+    )
     for expect, label in (
         (False, "arrivals not told (the ledger's reserve alone)"),
         (True, "arrivals told (expect)"),
     ):
-        cols = [
+        ms = [
             statistics.median(r[k] for r in results[expect]) * 1000
             for k in ("first step", "prefill", "decode")
         ]
-        print(f"  {label}: " + " / ".join(f"{c:.1f}" for c in cols))
+        pages = [statistics.median(r[k] for r in results[expect]) for k in ("prefill pages", "decode pages")]
+        print(
+            f"  {label}: "
+            + " / ".join(f"{c:.1f}" for c in ms)
+            + "; pages "
+            + " / ".join(f"{p:g}" for p in pages)
+        )
 
 
 if __name__ == "__main__":

@@ -133,6 +133,22 @@ def test_reserve_policy_counts_expected_demand_like_pages_taken() -> None:
         assert policy.end_interval() == expect
 
 
+def test_reserve_policy_light_target_follows_light_intervals_only() -> None:
+    policy = ReservePolicy(min_pages=2, max_pages=8, window=3)
+    policy.note_acquired(6)
+    assert policy.end_interval() == 6  # a heavy step (prefill)
+    assert policy.light_target == 2  # no light step in the window yet: the minimum
+    policy.note_acquired(3)
+    assert policy.end_interval(light=True) == 6  # the target still remembers the heavy step
+    assert policy.light_target == 3
+    policy.note_acquired(20)
+    policy.end_interval(light=True)
+    assert policy.light_target == 8  # capped like the target
+    for _ in range(3):  # quiet light steps: both fall back to the minimum
+        policy.end_interval(light=True)
+    assert policy.light_target == policy.target == 2
+
+
 def test_snapshot_round_trip_and_schema() -> None:
     snap = PoolSnapshot(
         name="p", state=PoolState.SHRINKING, block_size_bytes=1, page_size=2, page_bytes=3, blocks_per_page=4,

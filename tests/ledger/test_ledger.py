@@ -520,6 +520,72 @@ def test_steady_state_allocations_hit_the_reserve() -> None:
         pool.close()
 
 
+def _prefill_then_decode(light: bool) -> tuple[list[int], list[int], int]:
+    """A heavy step takes 6 pages (the reserve is refilled to 6), then 8 decode steps take a page each
+    (``maintain(light=light)``). Returns the reserve after each decode step, the pages mapped during
+    each, and the reserve after 8 more decode steps without allocations."""
+    cfg = ElasticConfig(
+        page_size=SLOT, premap=True, reserve_min_pages=1, reserve_max_pages=8, reserve_window=6
+    )
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        live = [led.alloc(3), led.alloc(6 * 4)]  # page 0's free blocks, then 6 new pages at once
+        led.settle()
+        led.maintain()  # the heavy step's housekeeping: refill to 6
+        led.settle()
+        assert led.snapshot().reserve_pages == 6
+        misses = led.snapshot().reserve_misses  # the heavy step mapped its pages synchronously
+        reserve, mapped = [], []
+        for _ in range(8):
+            before = pool.backend.calls("map")
+            live.append(led.alloc(4))
+            led.maintain(light=light)
+            led.settle()
+            reserve.append(led.snapshot().reserve_pages)
+            mapped.append((pool.backend.calls("map") - before) // 2)  # 2 layers: 2 map calls a page
+            assert led.snapshot().reserve_misses == misses  # no decode step waits for the driver
+        for _ in range(8):
+            led.maintain(light=light)
+            led.settle()
+        check_invariants(pool, {b for blocks in live for b in blocks or []})
+        return reserve, mapped, led.snapshot().reserve_pages
+    finally:
+        pool.close()
+
+
+def test_light_steps_use_the_reserve_up_instead_of_refilling_it_beside_them() -> None:
+    # Heavy maintenance refills what each step took and, once the heavy step leaves the 6-step window,
+    # trims the reserve back to the decode steps' demand.
+    reserve, mapped, after = _prefill_then_decode(light=False)
+    assert mapped[:3] == [1, 1, 1] and after == 1
+    # Light maintenance maps nothing while the reserve holds more than the light steps take (1 page a
+    # step, the minimum 1), and trims nothing: the decode steps use up what the heavy step left. (The
+    # first decode step's allocation still refills as the heavy step did: maintain() sets the mode.)
+    reserve, mapped, after = _prefill_then_decode(light=True)
+    assert reserve[:6] == [6, 5, 4, 3, 2, 1] and mapped[:6] == [1, 0, 0, 0, 0, 0]
+    assert min(reserve) >= 1  # then refilled at the light target: no allocation waits (checked above)
+    assert after == 1
+
+
+def test_light_steps_still_trim_over_the_limit() -> None:
+    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=4, reserve_max_pages=8)
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        assert led.snapshot().reserve_pages == 4
+        led.resize(PAGE_BYTES)  # kvctl lowered the limit to the null page: the reserve goes at once
+        for _ in range(3):
+            led.maintain(light=True)
+            led.settle()
+            assert led.snapshot().reserve_pages == 0  # not refilled to the light target while over
+        check_invariants(pool)
+    finally:
+        pool.close()
+
+
 def test_record_is_charged_exactly_what_is_backed() -> None:
     record = BudgetRecord()
     geo = straddling_geometry()

@@ -32,5 +32,12 @@ def test_the_batch_is_mapped_ahead_of_the_first_step(run: dict[str, Any]) -> Non
     assert first["used"] > 0 and first["maps"] == 0, "the first step mapped pages itself"
 
 
+def test_decode_steps_and_only_they_maintain_the_reserve_as_light(run: dict[str, Any]) -> None:
+    steps = run["steps"]
+    assert all(decode == light for decode, light in steps), steps
+    kinds = {decode for decode, _ in steps}
+    assert kinds == {True, False}, steps  # prefill (chunked: 12 prompts of up to 1000 tokens) and decode
+
+
 def test_same_tokens_as_pure_vllm(run: dict[str, Any], reference: dict[str, list[list[int]]]) -> None:
     assert run["tokens"] == reference["on"]

@@ -237,7 +237,8 @@ def _installed_not_enabled() -> dict[str, Any]:
 
 def _arrivals() -> dict[str, Any]:
     """The elastic engine in this process: what was backed, or on its way, when the first step began, and
-    did that step map anything itself?"""
+    did that step map anything itself? And for every later step: was it a decode step, and did the pool's
+    housekeeping treat it as light?"""
     from vllm import LLM
 
     llm = LLM(
@@ -249,22 +250,36 @@ def _arrivals() -> dict[str, Any]:
     core = llm.llm_engine.engine_core.engine_core
     scheduler, pool = core.scheduler, core.scheduler.elastic_pool
     first: dict[str, int] = {}
-    schedule = scheduler.schedule
+    schedule, maintain = scheduler.schedule, pool.ledger.maintain
+    steps: list[tuple[bool, bool]] = []  # per step: decode only (one token per request), maintain's light
+    lights: list[bool] = []
+
+    def maintained(light: bool = False) -> None:
+        lights.append(light)
+        maintain(light)
 
     def observed(*args: Any, **kwargs: Any) -> Any:
-        if first:
-            return schedule(*args, **kwargs)
-        snap = pool.ledger.snapshot()
-        calls = pool.mapper.calls
-        first.update(ahead=snap.inflight_pages + snap.reserve_pages, waiting=len(scheduler.waiting))
+        if not first:
+            snap = pool.ledger.snapshot()
+            calls = pool.mapper.calls
+            first.update(ahead=snap.inflight_pages + snap.reserve_pages, waiting=len(scheduler.waiting))
         output = schedule(*args, **kwargs)
-        first.update(maps=pool.mapper.calls - calls, used=pool.ledger.snapshot().used_blocks)
+        if "maps" not in first:
+            first.update(maps=pool.mapper.calls - calls, used=pool.ledger.snapshot().used_blocks)
+        tokens = output.total_num_scheduled_tokens
+        steps.append((0 < tokens == len(output.num_scheduled_tokens), lights[-1]))
         return output
 
     scheduler.schedule = observed
+    pool.ledger.maintain = maintained
     idle = pool.ledger.snapshot()
     tokens = generate(llm)
-    return {"tokens": tokens, "first_step": first, "idle_pages": idle.inflight_pages + idle.reserve_pages}
+    return {
+        "tokens": tokens,
+        "first_step": first,
+        "idle_pages": idle.inflight_pages + idle.reserve_pages,
+        "steps": steps,
+    }
 
 
 _MODES = {

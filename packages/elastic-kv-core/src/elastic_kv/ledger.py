@@ -106,6 +106,7 @@ class KVCacheManager(PageBacking):
         self._hits = 0
         self._misses = 0
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
+        self._light = False  # the last maintain() was for a light step
 
         self._null = null_block
         if null_block is not None:
@@ -247,7 +248,8 @@ class KVCacheManager(PageBacking):
             self._hits += acquired - missed
             self._policy.note_acquired(acquired)
             if self._async and self._cfg.premap:
-                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
+                goal = self._policy.light_target if self._light else self._policy.target
+                self._refill_async(goal - len(self._reserve) - self._inflight_pages)
         return out
 
     def _grow(self, n: int) -> bool:
@@ -373,8 +375,11 @@ class KVCacheManager(PageBacking):
 
     # -- background pre-mapping -------------------------------------------------------------------------
 
-    def maintain(self) -> None:
+    def maintain(self, light: bool = False) -> None:
         """Housekeeping; call once per engine step, after the step's allocations (cheap when idle).
+        ``light``: the step leaves the GPU bound by memory bandwidth (decode); until the next call the
+        reserve is then refilled only below what light steps take, and not trimmed
+        (:mod:`elastic_kv.reserve`).
 
         Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim),
         refreshes the physical headroom (driver free memory, at most every ``free_memory_ttl_s``), sizes
@@ -391,12 +396,16 @@ class KVCacheManager(PageBacking):
             if events.trim_requested:
                 self._trim_reserve(0)
         self._phys.refresh(force=events is not None and events.limit_changed)
-        target = 0 if self._phys.over_limit() else self._policy.end_interval()
-        if len(self._reserve) > target:
+        over = self._phys.over_limit()
+        target = 0 if over else self._policy.end_interval(light)
+        self._light = light and not over
+        if self._light:
+            target = self._policy.light_target  # and no trim (see the reserve module)
+        elif len(self._reserve) > target:
             self._trim_reserve(target)
-        elif self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+        if self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
-                self._refill_async(self._policy.target - len(self._reserve) - self._inflight_pages)
+                self._refill_async(target - len(self._reserve) - self._inflight_pages)
             else:
                 self._refill_sync(target - len(self._reserve))
         self._phys.publish(self._snapshot)

@@ -11,7 +11,8 @@ picks the one matching ``async_scheduling``). They change four things:
 * ``add_request``: the pool starts mapping what the new request's prompt needs, in the background;
 * ``schedule``: while vLLM schedules the step, the pool counts only the blocks it holds (the running
   requests' fast path); after it, the step's release epoch starts and the pool does its housekeeping
-  (reserve, ``kvctl`` limit);
+  (reserve, ``kvctl`` limit; a decode step refills the reserve only below what decode steps take, see
+  :mod:`elastic_kv.reserve`);
 * ``update_from_output``: pages emptied while that step could still read them are released now; when no
   request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
   block's page.
@@ -87,7 +88,10 @@ class ElasticSchedulerMixin:
         :mod:`vllm_elastic_kv.kv_cache_manager`); the returned step carries its release epoch."""
         with self.elastic_pool.block_pool.counting(backed_only=True):
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched())
+        # A decode step (one token per scheduled request) leaves the GPU bound by memory bandwidth.
+        tokens = output.total_num_scheduled_tokens
+        light = 0 < tokens == len(output.num_scheduled_tokens)
+        setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched(light))
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

@@ -206,14 +206,15 @@ class SchedulerPool:
         self._arriving += sum(-(-num_tokens // size) for size in self._block_sizes)
         self.ledger.expect(self._arriving)
 
-    def step_dispatched(self) -> int:
-        """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping."""
+    def step_dispatched(self, light: bool = False) -> int:
+        """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping
+        (``light``: a decode step, see :meth:`elastic_kv.ledger.KVCacheManager.maintain`)."""
         if self.over_limit():
             # Memory must come back: whole pages of the prefix cache first (they hold nothing else);
             # pages of running requests follow as they finish or are preempted.
             self.block_pool.trim_cached()
         epoch = self.epochs.step_dispatched()
-        self.ledger.maintain()
+        self.ledger.maintain(light)
         self._arriving = 0
         self.steps += 1
         waits = self._driver_waits()
