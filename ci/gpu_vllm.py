@@ -392,7 +392,7 @@ class _StepSpans:
         }
 
     def edges_report(self) -> dict[str, float]:
-        """Mean lead and tail of the bursts, in ms (see :meth:`burst_done`)."""
+        """Mean lead, first step's span and tail of the bursts, in ms (see :meth:`burst_done`)."""
         return {f"{edge}_ms": round(statistics.fmean(ms), 4) for edge, ms in self.edges.items() if ms}
 
 

@@ -140,3 +140,38 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
         "prefill": {"steps": 1, "span_ms": 1.0, "gap_ms": 0.0},
     }
     assert spans.edges_report() == {"lead_ms": 2.0, "first_ms": 1.0, "tail_ms": 2.0}
+
+
+def test_timeline_sums_each_bursts_first_and_last_call() -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    clock = iter(range(1000))
+    script.time = SimpleNamespace(perf_counter=lambda: float(next(clock)), thread_time=lambda: 0.0)
+
+    class Scheduler:
+        def update_from_output(self) -> None:
+            next(clock)  # every call takes 2 ticks on the wall clock (the call itself and the read after)
+
+        def schedule(self) -> None:
+            return None
+
+    sched = Scheduler()
+    timeline = script._Timeline()
+    timeline.wrap(sched, "update_from_output", "update", edges=True)
+    timeline.wrap(sched, "schedule", "schedule")
+    sched.update_from_output()  # outside a burst: not timed
+    for calls in (3, 1):  # two bursts
+        timeline.begin(0.0)
+        for _ in range(calls):
+            sched.update_from_output()
+            sched.schedule()
+        timeline.end()
+    report = timeline.report()
+    assert report["update"]["calls"] == 4 and report["update"]["s"] == 8.0
+    assert report["update"]["first_last_s"] == [4.0, 4.0]  # 2 + 2 first calls, 2 + 2 last calls
+    assert "first_last_s" not in report["schedule"]
