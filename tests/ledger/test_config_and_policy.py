@@ -147,6 +147,11 @@ def test_reserve_policy_light_target_follows_light_intervals_only() -> None:
     for _ in range(3):  # quiet light steps: both fall back to the minimum
         policy.end_interval(light=True)
     assert policy.light_target == policy.target == 2
+    bare = ReservePolicy(min_pages=0, max_pages=8, window=3)
+    assert bare.light_target == 0  # nothing taken lately: nothing to hold
+    bare.note_acquired(5)
+    bare.end_interval()
+    assert bare.light_target == 1  # a page for the first light step that needs one
 
 
 def test_snapshot_round_trip_and_schema() -> None:

@@ -80,6 +80,7 @@ class ReservePolicy:
     @property
     def light_target(self) -> int:
         """Pages the reserve should hold during light steps: as many as the largest demand of the light
-        intervals in the window, at least ``min_pages`` (at most the target)."""
+        intervals in the window, at least ``min_pages`` and one page (so that the first light step to need
+        a page finds one), never more than the target."""
         light = (d for d, is_light in zip(self._history, self._light, strict=True) if is_light)
-        return min(self._max, max(self._min, max(light, default=0)))
+        return min(self._target, max(self._min, 1, max(light, default=0)))
