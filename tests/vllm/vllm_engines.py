@@ -237,7 +237,7 @@ def _installed_not_enabled() -> dict[str, Any]:
 
 def _arrivals() -> dict[str, Any]:
     """The elastic engine in this process: what was backed, or on its way, when the first step began, and
-    did that step map anything itself? And for every later step: was it a decode step, and did the pool's
+    did that step map anything itself? And for every step: was it a decode step, and did the pool's
     housekeeping treat it as light?"""
     from vllm import LLM
 
@@ -259,12 +259,13 @@ def _arrivals() -> dict[str, Any]:
         maintain(light)
 
     def observed(*args: Any, **kwargs: Any) -> Any:
+        calls = None
         if not first:
             snap = pool.ledger.snapshot()
             calls = pool.mapper.calls
             first.update(ahead=snap.inflight_pages + snap.reserve_pages, waiting=len(scheduler.waiting))
         output = schedule(*args, **kwargs)
-        if "maps" not in first:
+        if calls is not None:
             first.update(maps=pool.mapper.calls - calls, used=pool.ledger.snapshot().used_blocks)
         tokens = output.total_num_scheduled_tokens
         steps.append((0 < tokens == len(output.num_scheduled_tokens), lights[-1]))
