@@ -248,8 +248,7 @@ class KVCacheManager(PageBacking):
             self._hits += acquired - missed
             self._policy.note_acquired(acquired)
             if self._async and self._cfg.premap:
-                goal = self._policy.light_target if self._light else self._policy.target
-                self._refill_async(goal - len(self._reserve) - self._inflight_pages)
+                self._refill_async(self._reserve_goal() - len(self._reserve) - self._inflight_pages)
         return out
 
     def _grow(self, n: int) -> bool:
@@ -397,11 +396,11 @@ class KVCacheManager(PageBacking):
                 self._trim_reserve(0)
         self._phys.refresh(force=events is not None and events.limit_changed)
         over = self._phys.over_limit()
-        target = 0 if over else self._policy.end_interval(light)
+        if not over:
+            self._policy.end_interval(light)
         self._light = light and not over
-        if self._light:
-            target = self._policy.light_target  # and no trim (see the reserve module)
-        elif len(self._reserve) > target:
+        target = 0 if over else self._reserve_goal()
+        if not self._light and len(self._reserve) > target:  # light steps do not trim (the reserve module)
             self._trim_reserve(target)
         if self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
@@ -409,6 +408,10 @@ class KVCacheManager(PageBacking):
             else:
                 self._refill_sync(target - len(self._reserve))
         self._phys.publish(self._snapshot)
+
+    def _reserve_goal(self) -> int:
+        """Pages the reserve aims at: the policy's target, or its light target after a light step."""
+        return self._policy.light_target if self._light else self._policy.target
 
     def expect(self, blocks: int) -> int:
         """The engine will soon allocate about ``blocks`` blocks that it has not asked for yet (requests
