@@ -569,6 +569,32 @@ def test_light_steps_use_the_reserve_up_instead_of_refilling_it_beside_them() ->
     assert after == 1
 
 
+def test_light_steps_trim_the_reserve_above_its_cap() -> None:
+    # A step's refill is in flight when its pages come back empty: the reserve fills to the cap from the
+    # freed pages, then the background maps land on top of it. Light steps keep what heavy steps left,
+    # but not above reserve_max_pages.
+    cfg = ElasticConfig(
+        page_size=SLOT, premap=True, reserve_min_pages=1, reserve_max_pages=4, reserve_window=8
+    )
+    pool = make_pool(small_geometry(256), config=cfg)
+    try:
+        led = pool.ledger
+        settle(pool)
+        live = led.alloc(3)
+        taken = led.alloc(4 * 4)
+        assert taken is not None and led.snapshot().inflight_pages == 4
+        led.free(taken)
+        led.settle()
+        assert led.snapshot().reserve_pages == 8  # above the cap until the next maintain
+        led.maintain(light=True)
+        assert led.snapshot().reserve_pages == 4
+        led.maintain(light=True)  # at the cap and above the light target: kept
+        assert led.snapshot().reserve_pages == 4
+        check_invariants(pool, set(live or []))
+    finally:
+        pool.close()
+
+
 def test_light_steps_still_trim_over_the_limit() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=4, reserve_max_pages=8)
     pool = make_pool(small_geometry(256), config=cfg)

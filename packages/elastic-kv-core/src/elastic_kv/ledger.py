@@ -377,8 +377,8 @@ class KVCacheManager(PageBacking):
     def maintain(self, light: bool = False) -> None:
         """Housekeeping; call once per engine step, after the step's allocations (cheap when idle).
         ``light``: the step leaves the GPU bound by memory bandwidth (decode); until the next call the
-        reserve is then refilled only below what light steps take, and not trimmed
-        (:mod:`elastic_kv.reserve`).
+        reserve is then refilled only below what light steps take, and trimmed only above
+        ``reserve_max_pages`` (:mod:`elastic_kv.reserve`).
 
         Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim),
         refreshes the physical headroom (driver free memory, at most every ``free_memory_ttl_s``), sizes
@@ -400,8 +400,11 @@ class KVCacheManager(PageBacking):
             self._policy.end_interval(light)
         self._light = light and not over
         target = 0 if over else self._reserve_goal()
-        if not self._light and len(self._reserve) > target:  # light steps do not trim (the reserve module)
-            self._trim_reserve(target)
+        # Light steps keep what the heavy steps left (the reserve module), up to the cap: background maps
+        # that land after their pages' demand was met can take the reserve above it.
+        ceiling = self._cfg.reserve_max_pages if self._light else target
+        if len(self._reserve) > ceiling:
+            self._trim_reserve(ceiling)
         if self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
                 self._refill_async(target - len(self._reserve) - self._inflight_pages)
