@@ -21,7 +21,7 @@ from elastic_kv.ledger import KVCacheManager as Ledger
 from elastic_kv.mapper import LocalMapper
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
-from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager, admission_bound
+from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager, admission_bound, queued_hits
 from vllm_elastic_kv.layout import planned_geometry
 from vllm_elastic_kv.scheduler_pool import StepEpochs
 
@@ -55,6 +55,7 @@ class Stack:
 
     hasher: Any = None
     pin: Any = None
+    backend: Any = None  # _vmm.HostBackend, or a FaultInjectingBackend over one
 
     def backed(self, blocks: Any) -> bool:
         geo = self.ledger.geometry
@@ -90,6 +91,7 @@ def _stack(
     reserve: tuple[int, int] = (0, 0),
     blocks_per_page: int = 2,
     events: bool = False,
+    fault: bool = False,
 ) -> Stack:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -98,7 +100,7 @@ def _stack(
     page = blocks_per_page * LAYER_BLOCK_BYTES
     geo = planned_geometry(cfg, None, "one_buffer", page, max_page_slots=8)
     assert geo.blocks_per_page == blocks_per_page and geo.num_pages == -(-NUM_BLOCKS // blocks_per_page)
-    backend = _vmm.HostBackend()
+    backend = _vmm.FaultInjectingBackend(_vmm.HostBackend()) if fault else _vmm.HostBackend()
     space = _vmm.TensorSpace(backend, geo.space_sizes[0], page)
     group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 0))
     elastic = ElasticConfig(
@@ -125,7 +127,7 @@ def _stack(
     assert isinstance(pool, ElasticBlockPool)
     pool.attach(ledger)
     init_none_hash(sha256)
-    stack = Stack(manager, pool, ledger, group, StepEpochs(ledger), itertools.count())
+    stack = Stack(manager, pool, ledger, group, StepEpochs(ledger), itertools.count(), backend=backend)
     stack.hasher = get_request_block_hasher(BLOCK, sha256)
     # Block 1 shares the null block's page, which is never released: a long-running request holds it, so
     # that every page the tests look at holds only the blocks they allocate.
@@ -213,6 +215,34 @@ def test_prefix_hit_is_served_from_cached_blocks() -> None:
     assert num_computed == 3 * BLOCK
     assert _allocate(stack, b, computed, num_computed) is not None
     assert stack.pool.num_cached == 0  # the hits were touched out of the queue
+
+
+def test_prefix_hits_do_not_stand_in_for_the_same_calls_new_blocks() -> None:
+    """A call takes its queued prefix hits out of the queue, so they cannot also be evicted for its new
+    blocks: with the driver refusing pages, a call that needs new pages beyond its hits is a scheduler
+    miss with nothing changed, and goes through once pages can be mapped again."""
+    stack = _stack(fault=True)
+    tokens = list(range(1000, 1000 + 8 * BLOCK))
+    a = stack.request(tokens)
+    assert _allocate(stack, a) is not None
+    _finish(stack, a)
+    stack.epochs.quiesce()
+    assert stack.pool.num_cached == 8 and stack.ledger.free_backed_blocks == 0
+    b = stack.request([*tokens, *range(5000, 5000 + 2 * BLOCK + 5)])  # 8 hits, then 3 new blocks
+    computed, num_computed = stack.manager.get_computed_blocks(b)[:2]
+    assert num_computed == 8 * BLOCK
+    assert queued_hits((b.num_tokens - num_computed, num_computed, computed), {}) == 8
+    assert queued_hits((), {"new_computed_blocks": computed}) == 8 and queued_hits((), {}) == 0
+    stack.backend.fail("create", times=-1, error="oom")  # the driver is out of memory
+    state = (stack.ledger.used_blocks, stack.group.num_mapped, stack.pool.num_cached)
+    assert _allocate(stack, b, computed, num_computed) is None  # vLLM's check said no: preempt or wait
+    assert (stack.ledger.used_blocks, stack.group.num_mapped, stack.pool.num_cached) == state
+    assert b.request_id not in stack.manager.coordinator.single_type_managers[0].req_to_blocks
+    assert all(block.ref_cnt == 0 for block in computed.blocks[0])
+    stack.backend.clear()
+    assert _allocate(stack, b, computed, num_computed) is not None
+    got = _blocks(stack, b)
+    assert len(got) == 11 and got[:8] == list(computed.blocks[0]) and stack.backed(got)
 
 
 def test_trim_returns_only_pages_that_hold_nothing_else() -> None:

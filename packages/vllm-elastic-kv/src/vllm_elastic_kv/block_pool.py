@@ -129,12 +129,14 @@ class ElasticBlockPool(BlockPool):
             self.backed_only = previous
 
     @contextlib.contextmanager
-    def admission(self, bound: int) -> Iterator[None]:
+    def admission(self, bound: int, hits: int = 0) -> Iterator[None]:
         """Within the block, up to ``bound`` blocks can be allocated without mapping; if that could not be
-        arranged, ``get_num_free_blocks`` counts held blocks only. Unused ids go back on exit."""
+        arranged, ``get_num_free_blocks`` counts held blocks only. ``hits``: queued cached blocks the call
+        takes as prefix hits, which leave the queue and so cannot be evicted for its new blocks. Unused
+        ids go back on exit."""
         ledger = self.ledger
         assert ledger is not None and not self._stash and not self._strict
-        if ledger.free_backed_blocks + self.free_block_queue.num_free_blocks < bound:
+        if ledger.free_backed_blocks + self.free_block_queue.num_free_blocks - hits < bound:
             # Back what the bound asks for, or as much of it as the physical headroom allows; in the
             # second case vLLM's check must see exactly what is backed.
             want = min(bound, ledger.available_size())

@@ -21,6 +21,10 @@ right there, without mapping or evicting -- and only if vLLM says no, admission 
 call runs again, counting every block the pool could provide. vLLM changes nothing before it returns
 ``None`` (it only drops blocks that left a sliding window, which a second call does not repeat), and its
 own scheduler retries ``allocate_slots`` the same way between preemptions.
+
+Admission backs nothing when the backed free blocks and the evictable cached blocks already cover the
+bound. The call's own prefix hits do not count there (``queued_hits``): the call takes them out of the
+queue, so they cannot also be evicted for its new blocks.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 
-__all__ = ["ElasticKVCacheManager", "admission_bound"]
+__all__ = ["ElasticKVCacheManager", "admission_bound", "queued_hits"]
 
 _TOKEN_ARGS = ("num_new_tokens", "num_lookahead_tokens", "num_external_computed_tokens", "num_encoder_tokens")
 # Positions of those parameters after (self, request) in this vLLM's allocate_slots.
 _PARAMS = list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:]
 _POSITIONS = {name: _PARAMS.index(name) for name in _TOKEN_ARGS if name in _PARAMS}
+_HITS_POSITION = _PARAMS.index("new_computed_blocks")
 # vLLM's own method, called directly: per scheduled request, a super() lookup is a measurable share.
 _vllm_allocate_slots = KVCacheManager.allocate_slots
 
@@ -49,6 +54,19 @@ def admission_bound(block_sizes: list[int], args: tuple[Any, ...], kwargs: dict[
         value = kwargs[name] if name in kwargs else args[pos] if pos < len(args) else 0
         tokens += int(value or 0)
     return sum(-(-tokens // size) + 2 for size in block_sizes)
+
+
+def queued_hits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Prefix-cache hits of one ``allocate_slots(request, *args, **kwargs)`` call that sit in the free
+    queue (no request holds them): the call takes them out of the queue, so they cannot also be evicted
+    for its new blocks. Counted as vLLM counts its evictable computed blocks."""
+    if "new_computed_blocks" in kwargs:
+        hits = kwargs["new_computed_blocks"]
+    else:
+        hits = args[_HITS_POSITION] if len(args) > _HITS_POSITION else None
+    if hits is None:
+        return 0
+    return sum(1 for group in hits.blocks for block in group if block.ref_cnt == 0 and not block.is_null)
 
 
 class ElasticKVCacheManager(KVCacheManager):
@@ -115,5 +133,5 @@ class ElasticKVCacheManager(KVCacheManager):
                 blocks = _vllm_allocate_slots(self, request, *args, **kwargs)
             if blocks is not None:
                 return blocks
-        with pool.counting(backed_only=False), pool.admission(bound):
+        with pool.counting(backed_only=False), pool.admission(bound, queued_hits(args, kwargs)):
             return _vllm_allocate_slots(self, request, *args, **kwargs)
