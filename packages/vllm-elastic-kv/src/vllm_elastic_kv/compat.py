@@ -141,7 +141,12 @@ _SCHEDULER = (
         "vllm.v1.core.sched.async_scheduler", "AsyncScheduler", kind="class", why="base, async scheduling"
     ),
     Target("vllm.v1.core.kv_cache_coordinator", "BlockPool", kind="name", why="rebound to ElasticBlockPool"),
-    Target(_MANAGER, "KVCacheManager.allocate_slots", params=("self", "request", "num_new_tokens")),
+    Target(
+        _MANAGER,
+        "KVCacheManager.allocate_slots",
+        params=("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
+        why="admission reads the call's token counts and prefix hits",
+    ),
     Target(_POOL, "BlockPool.get_new_blocks", params=("self", "num_blocks")),
     Target(_POOL, "BlockPool.free_blocks", params=("self", "ordered_blocks")),
     Target(_POOL, "BlockPool.touch", params=("self", "blocks")),

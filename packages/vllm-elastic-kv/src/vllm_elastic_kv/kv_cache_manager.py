@@ -42,7 +42,8 @@ _TOKEN_ARGS = ("num_new_tokens", "num_lookahead_tokens", "num_external_computed_
 # Positions of those parameters after (self, request) in this vLLM's allocate_slots.
 _PARAMS = list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:]
 _POSITIONS = {name: _PARAMS.index(name) for name in _TOKEN_ARGS if name in _PARAMS}
-_HITS_POSITION = _PARAMS.index("new_computed_blocks")
+# (compat checks that it is there at start-up; an import must not fail before that check can say so.)
+_HITS_POSITION = _PARAMS.index("new_computed_blocks") if "new_computed_blocks" in _PARAMS else len(_PARAMS)
 # vLLM's own method, called directly: per scheduled request, a super() lookup is a measurable share.
 _vllm_allocate_slots = KVCacheManager.allocate_slots
 
