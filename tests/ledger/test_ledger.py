@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -369,6 +370,18 @@ def settle(pool: Pool, timeout: float = 5.0) -> None:
         pool.ledger.maintain()
 
 
+@contextlib.contextmanager
+def _premapped_pool(**reserve: int) -> Iterator[Pool]:
+    """A pool over ``small_geometry(256)`` that maps its reserve in the background (``reserve``: the
+    reserve's settings), settled, and closed afterwards."""
+    pool = make_pool(small_geometry(256), config=ElasticConfig(page_size=SLOT, premap=True, **reserve))
+    try:
+        settle(pool)
+        yield pool
+    finally:
+        pool.close()
+
+
 def test_background_premap_serves_allocations_without_driver_calls() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
     pool = make_pool(config=cfg)
@@ -394,11 +407,8 @@ def test_background_premap_serves_allocations_without_driver_calls() -> None:
 
 
 def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
-    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=0, reserve_max_pages=8)
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=0, reserve_max_pages=8) as pool:
         led = pool.ledger
-        settle(pool)
         assert led.snapshot().reserve_pages == 0 and led.free_backed_blocks == 3  # page 0: the null block's
         assert led.expect(3) == 0  # page 0's free blocks hold it
         assert led.expect(3 + 12) == 3  # three more pages, queued at once, one job each ...
@@ -413,20 +423,16 @@ def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
         assert (snap.reserve_hits, snap.reserve_misses) == (3, 0)
         check_invariants(pool, set(got))
         led.free(got)
-        for _ in range(cfg.reserve_window + 1):  # an expectation is forgotten like a burst
+        window = ElasticConfig().reserve_window  # the pool's: the default
+        for _ in range(window + 1):  # an expectation is forgotten like a burst
             led.maintain()
         assert led.snapshot().reserve_pages == 0
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_expected_demand_is_bounded_like_the_reserve() -> None:
-    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=0, reserve_max_pages=4)
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=0, reserve_max_pages=4) as pool:
         led = pool.ledger
-        settle(pool)
         assert led.expect(10_000) == 4  # at most reserve_max_pages pages in flight and in the reserve
         settle(pool)
         assert led.snapshot().reserve_pages == 4 and led.expect(10_000) == 0
@@ -436,8 +442,6 @@ def test_expected_demand_is_bounded_like_the_reserve() -> None:
         with pytest.raises(ValueError, match="cannot expect -1 blocks"):
             led.expect(-1)
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_expect_does_nothing_without_premap_and_refuses_other_threads() -> None:
@@ -482,19 +486,14 @@ def test_alloc_waits_for_pages_still_in_flight() -> None:
 
 
 def test_growth_ramp_is_served_from_the_reserve() -> None:
-    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=2, reserve_max_pages=8) as pool:
         led = pool.ledger
-        settle(pool)
         for _ in range(40):  # one new page per engine step
             assert led.alloc(4) is not None
             led.maintain()
             led.settle()  # the step's GPU time: the background maps queued in it have landed
         snap = led.snapshot()
         assert snap.reserve_misses == 0 and snap.reserve_hits >= 39
-    finally:
-        pool.close()
 
 
 def test_steady_state_allocations_hit_the_reserve() -> None:
@@ -524,13 +523,8 @@ def _prefill_then_decode(light: bool) -> tuple[list[int], list[int], int]:
     """A heavy step takes 6 pages (the reserve is refilled to 6), then 8 decode steps take a page each
     (``maintain(light=light)``). Returns the reserve after each decode step, the pages mapped during
     each, and the reserve after 8 more decode steps without allocations."""
-    cfg = ElasticConfig(
-        page_size=SLOT, premap=True, reserve_min_pages=1, reserve_max_pages=8, reserve_window=6
-    )
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=1, reserve_max_pages=8, reserve_window=6) as pool:
         led = pool.ledger
-        settle(pool)
         live = [led.alloc(3), led.alloc(6 * 4)]  # page 0's free blocks, then 6 new pages at once
         led.settle()
         led.maintain()  # the heavy step's housekeeping: refill to 6
@@ -551,8 +545,6 @@ def _prefill_then_decode(light: bool) -> tuple[list[int], list[int], int]:
             led.settle()
         check_invariants(pool, {b for blocks in live for b in blocks or []})
         return reserve, mapped, led.snapshot().reserve_pages
-    finally:
-        pool.close()
 
 
 def test_light_steps_use_the_reserve_up_instead_of_refilling_it_beside_them() -> None:
@@ -573,13 +565,8 @@ def test_light_steps_trim_the_reserve_above_its_cap() -> None:
     # A step's refill is in flight when its pages come back empty: the reserve fills to the cap from the
     # freed pages, then the background maps land on top of it. Light steps keep what heavy steps left,
     # but not above reserve_max_pages.
-    cfg = ElasticConfig(
-        page_size=SLOT, premap=True, reserve_min_pages=1, reserve_max_pages=4, reserve_window=8
-    )
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=1, reserve_max_pages=4, reserve_window=8) as pool:
         led = pool.ledger
-        settle(pool)
         live = led.alloc(3)
         taken = led.alloc(4 * 4)
         assert taken is not None and led.snapshot().inflight_pages == 4
@@ -591,16 +578,11 @@ def test_light_steps_trim_the_reserve_above_its_cap() -> None:
         led.maintain(light=True)  # at the cap and above the light target: kept
         assert led.snapshot().reserve_pages == 4
         check_invariants(pool, set(live or []))
-    finally:
-        pool.close()
 
 
 def test_light_steps_still_trim_over_the_limit() -> None:
-    cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=4, reserve_max_pages=8)
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with _premapped_pool(reserve_min_pages=4, reserve_max_pages=8) as pool:
         led = pool.ledger
-        settle(pool)
         assert led.snapshot().reserve_pages == 4
         led.resize(PAGE_BYTES)  # kvctl lowered the limit to the null page: the reserve goes at once
         for _ in range(3):
@@ -608,8 +590,6 @@ def test_light_steps_still_trim_over_the_limit() -> None:
             led.settle()
             assert led.snapshot().reserve_pages == 0  # not refilled to the light target while over
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_record_is_charged_exactly_what_is_backed() -> None:
