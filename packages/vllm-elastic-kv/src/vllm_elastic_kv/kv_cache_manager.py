@@ -39,21 +39,19 @@ from vllm_elastic_kv.block_pool import ElasticBlockPool
 __all__ = ["ElasticKVCacheManager", "admission_bound", "queued_hits"]
 
 _TOKEN_ARGS = ("num_new_tokens", "num_lookahead_tokens", "num_external_computed_tokens", "num_encoder_tokens")
-# Positions of those parameters after (self, request) in this vLLM's allocate_slots.
-_PARAMS = list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:]
-_POSITIONS = {name: _PARAMS.index(name) for name in _TOKEN_ARGS if name in _PARAMS}
-# (compat checks that it is there at start-up; an import must not fail before that check can say so.)
-_HITS_POSITION = _PARAMS.index("new_computed_blocks") if "new_computed_blocks" in _PARAMS else len(_PARAMS)
+# Positions of the parameters after (self, request) in this vLLM's allocate_slots. A name it lacks reads as
+# not passed: compat names a missing parameter at start-up, and an import must not fail before that.
+_POSITIONS = {
+    name: pos
+    for pos, name in enumerate(list(inspect.signature(KVCacheManager.allocate_slots).parameters)[2:])
+}
 # vLLM's own method, called directly: per scheduled request, a super() lookup is a measurable share.
 _vllm_allocate_slots = KVCacheManager.allocate_slots
 
 
 def admission_bound(block_sizes: list[int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Most blocks one ``allocate_slots(request, *args, **kwargs)`` call can take from the pool."""
-    tokens = 0
-    for name, pos in _POSITIONS.items():
-        value = kwargs[name] if name in kwargs else args[pos] if pos < len(args) else 0
-        tokens += int(value or 0)
+    tokens = sum(int(_argument(args, kwargs, name) or 0) for name in _TOKEN_ARGS)
     return sum(-(-tokens // size) + 2 for size in block_sizes)
 
 
@@ -61,13 +59,19 @@ def queued_hits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Prefix-cache hits of one ``allocate_slots(request, *args, **kwargs)`` call that sit in the free
     queue (no request holds them): the call takes them out of the queue, so they cannot also be evicted
     for its new blocks. Counted as vLLM counts its evictable computed blocks."""
-    if "new_computed_blocks" in kwargs:
-        hits = kwargs["new_computed_blocks"]
-    else:
-        hits = args[_HITS_POSITION] if len(args) > _HITS_POSITION else None
+    hits = _argument(args, kwargs, "new_computed_blocks")
     if hits is None:
         return 0
     return sum(1 for group in hits.blocks for block in group if block.ref_cnt == 0 and not block.is_null)
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value of ``allocate_slots``'s parameter ``name`` in a call ``(request, *args, **kwargs)``, or None
+    when the call did not pass it."""
+    if name in kwargs:
+        return kwargs[name]
+    pos = _POSITIONS.get(name, len(args))
+    return args[pos] if pos < len(args) else None
 
 
 class ElasticKVCacheManager(KVCacheManager):
