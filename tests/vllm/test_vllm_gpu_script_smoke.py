@@ -4,9 +4,11 @@ children, the plugin's registration, the pool and rank probes, the A/A mode) fro
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,15 @@ pytestmark = pytest.mark.vllm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "gpu_vllm.py"
 SMALL = ["--cpu-smoke", "--bursts", "1", "--requests", "4", "--output", "16"]
+
+
+def _script() -> Any:
+    """A fresh copy of the script's module (tests replace its clock): its helpers, without running it."""
+    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -60,12 +71,8 @@ def test_calibration_runs_two_engines_of_one_backend(tmp_path: Path, backend: st
 
 def test_slots_run_the_backends_asked_for() -> None:
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_vllm", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     runs = {
         (swap, calibrate): [
             script._backend(slot, argparse.Namespace(swap=swap, calibrate=calibrate)) for slot in "AB"
@@ -83,14 +90,10 @@ def test_slots_run_the_backends_asked_for() -> None:
 def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
     # --gpu-times reads CUDA events, which this machine has not: its bookkeeping runs here on events that
     # read a counter (one tick a record or a map), the spans and gaps checked exactly.
-    import importlib.util
     import itertools
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     clock = itertools.count()
 
     class Event:
@@ -143,13 +146,9 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
 
 
 def test_timeline_sums_each_bursts_first_and_last_call() -> None:
-    import importlib.util
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     clock = iter(range(1000))
     script.time = SimpleNamespace(perf_counter=lambda: float(next(clock)), thread_time=lambda: 0.0)
 
