@@ -63,7 +63,7 @@ if [ "${1:-}" = "--engines-only" ]; then
     exit 0
 fi
 
-log "building and installing elastic-kv-core, vllm-elastic-kv, sglang-elastic-kv"
+log "building and installing elastic-kv-core, vllm-elastic-kv, sglang-elastic-kv, elastic-kv-serve"
 pip_q -c "$constraints" --no-build-isolation "$root/packages/elastic-kv-core" \
-    "$root/packages/vllm-elastic-kv" "$root/packages/sglang-elastic-kv"
+    "$root/packages/vllm-elastic-kv" "$root/packages/sglang-elastic-kv" "$root/packages/elastic-kv-serve"
 log "ready: $venv"
