@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=int(srv.drain_timeout_s) or None,
             lifespan="on",
+            access_log=args.log_level == "debug",
         )
     )
     uv.run()

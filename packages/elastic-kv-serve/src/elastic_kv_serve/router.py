@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from elastic_kv_serve.config import ServeConfig
+from elastic_kv_serve.runtime import ModelRuntime
 from elastic_kv_serve.supervisor import ModelUnavailable, Supervisor, UnknownModel
 
 __all__ = ["create_app", "openai_error"]
@@ -47,18 +48,16 @@ _ERROR_TYPES = {
 }
 
 
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error response."""
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "APIError"),
-            "param": param,
-            "code": status,
-        }
-    }
+    """An OpenAI-style error response (503s say when to retry)."""
     headers = {"retry-after": "1"} if status == 503 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 class _TooLarge(Exception):
@@ -82,9 +81,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> FastAPI:
     """The app; its lifespan starts the supervisor and, after the HTTP server drained, stops it."""
     sup = supervisor or Supervisor(config)
+    # One loopback connection per request: a kept-alive connection that the engine's HTTP server closes
+    # (idle timeout) just as a request is sent on it fails that request, and a retry is not safe.
     upstream = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
     )
 
     @contextlib.asynccontextmanager
@@ -173,6 +174,7 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
             return openai_error(503, str(exc))
         except httpx.HTTPError as exc:
             await stack.aclose()
+            await sup.upstream_failed(rt)
             done(503)
             return openai_error(503, f"the engine of model {name} failed: {type(exc).__name__}")
         except BaseException:
@@ -181,7 +183,7 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
 
         if payload.get("stream") and reply.status_code == 200:
             return StreamingResponse(
-                _relay(reply, stack, done, name),
+                _relay(reply, stack, done, sup, rt),
                 status_code=200,
                 media_type=reply.headers.get("content-type", "text/event-stream"),
                 headers={"cache-control": "no-cache"},
@@ -189,6 +191,10 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
         try:
             content = await _read_unless_gone(request, reply)
         except httpx.HTTPError as exc:
+            with anyio.CancelScope(shield=True):
+                await reply.aclose()
+                await stack.aclose()
+                await sup.upstream_failed(rt)
             done(503)
             return openai_error(503, f"the engine of model {name} failed mid-request: {type(exc).__name__}")
         finally:
@@ -223,18 +229,18 @@ async def _read_unless_gone(request: Request, reply: httpx.Response) -> bytes | 
 
 
 async def _relay(
-    reply: httpx.Response, stack: contextlib.AsyncExitStack, done: Any, name: str
+    reply: httpx.Response, stack: contextlib.AsyncExitStack, done: Any, sup: Supervisor, rt: ModelRuntime
 ) -> AsyncIterator[bytes]:
     """Chunks of the upstream SSE stream as they come; on a client disconnect Starlette cancels this and the
     upstream response is closed (shielded) so the engine aborts the request."""
     code = 200
+    failed = False
     try:
         async for chunk in reply.aiter_raw():
             yield chunk
     except httpx.HTTPError as exc:
-        code = 503
-        error = {"error": {"message": f"the engine of model {name} failed mid-stream: {type(exc).__name__}",
-                           "type": "ServiceUnavailableError", "param": None, "code": 503}}  # fmt: skip
+        code, failed = 503, True
+        error = error_body(503, f"the engine of model {rt.name} failed mid-stream: {type(exc).__name__}")
         yield f"data: {json.dumps(error)}\n\n".encode()
     except BaseException:
         code = 499
@@ -243,4 +249,6 @@ async def _relay(
         with anyio.CancelScope(shield=True):
             await reply.aclose()
             await stack.aclose()
+            if failed:
+                await sup.upstream_failed(rt)
             done(code)

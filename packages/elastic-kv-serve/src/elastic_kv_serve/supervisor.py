@@ -81,7 +81,9 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._monitor: asyncio.Task[None] | None = None
         self._probed = False
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(30.0))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_keepalive_connections=0)
+        )
         self.metrics.bind(self)
 
     # ------------------------------------------------------------------ life cycle
@@ -188,6 +190,13 @@ class Supervisor:
         finally:
             rt.in_flight -= 1
             rt.touch()
+
+    async def upstream_failed(self, rt: ModelRuntime) -> None:
+        """The router lost a request to ``rt``'s engine: if the engine is dead, fail the model now (its
+        other requests get 503 at once) instead of at the monitor's next look."""
+        engine = rt.engine
+        if engine is not None and not engine.alive() and rt.state is State.AWAKE:
+            await self._failed(rt, f"engine exited with {engine.proc.returncode}")
 
     # ------------------------------------------------------------------ transitions
 
