@@ -5,4 +5,12 @@ restarts, sleeps and wakes them within one device budget, and a FastAPI router f
 model's engine. Entry point: the ``elastic-kv`` console script (:mod:`elastic_kv_serve.cli`).
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+__all__ = ["__version__"]
+
+try:  # the repository's one VERSION file, through the installed distribution's metadata
+    __version__ = _version("elastic-kv-serve")
+except PackageNotFoundError:  # imported from a source folder that was never installed
+    __version__ = "0+unknown"
