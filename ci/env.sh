@@ -54,7 +54,7 @@ f.write_text(new)
 PY
     log "installing build and test tools"
     pip_q -c "$constraints" pybind11 scikit-build-core ninja cmake pytest pytest-benchmark pytest-timeout \
-        hypothesis ruff mypy requests
+        hypothesis ruff mypy requests matplotlib
     echo "$want" >"$stamp"
 fi
 
