@@ -1,10 +1,9 @@
 """A burst from idle, on the real ledger: how long does the engine's scheduling thread wait for the driver?
 
-An idle elastic pool holds nearly nothing, so a burst's first steps need pages mapped *now*. On the H200
-(vLLM 0.26, Llama-3-8B's shape, 256 MiB pages of 32 handles each) a page cost the worker ~10 ms while it
-waited for the new page's memsets, ~4 ms of driver time without that wait, and a 256-request burst's first
-prefill step needs 8 of them: the scheduler waited ~90 ms per burst, ~3 % of it, then 75 and 25 ms
-(``docs/results/gpu-vllm.md``). This script replays that burst's allocation pattern against the
+An idle elastic pool holds nearly nothing, so a burst's first steps need pages mapped *now*. On a GPU
+(Llama-3-8B's shape, 256 MiB pages of 32 handles each) a page costs the worker a few milliseconds of
+driver time, and a 256-request burst's first prefill step needs 8 of them (``docs/results.md``). This
+script replays that burst's allocation pattern against the
 real ledger, the real ``CoordinatorMapper`` (its background thread, as in the vLLM plugin) and a real
 ``SpaceGroup`` on host memory whose driver is slowed to a given cost per page (the data plane's fault
 injector), with the engine's GPU time as sleeps:

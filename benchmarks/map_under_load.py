@@ -25,13 +25,7 @@ page) maps ``--pages`` pages one at a time, as the plugin's background jobs do. 
     python benchmarks/map_under_load.py [--layers 32] [--slot-mib 8] [--pages 52] [--pooled]
                                         [--steps 400] [--launches 200] [--matmuls 8]
 
-On the H200 (2026-11-30, 32 x 8 MiB, fresh handles, two runs; ``docs/results/gpu-vllm.md``):
-
-* the rank: ``map`` 1.9-2.5 ms idle, 2.6-2.8 ms busy; waited 3.0-3.3 / 5.0-6.4 ms; queued 2.9-3.3 /
-  3.0-3.2 ms;
-* a page's memsets: 0.22-0.25 ms with a ``zero_`` per slot, 0.11 ms with one ``_foreach_zero_``;
-* the engine's step time, rank idle = 1: ``map`` alone 1.006-1.035, queued ``zero_`` per slot
-  1.088-1.094, queued ``_foreach_zero_`` 1.054-1.056.
+The H200's numbers are in ``docs/results.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whole scheduler steps, vLLM's native scheduler against the elastic one, in one process (not a test).
 
-The GPU runs (``docs/results/gpu-vllm.md``) are CPU-bound on a tiny model: the engine-core thread's work per
+The GPU runs of ``ci/gpu_vllm.py`` are CPU-bound on a tiny model: the engine-core thread's work per
 step -- ``Scheduler.schedule()`` plus ``update_from_output()`` -- sets the throughput, so whatever the plugin
 adds there shows up one for one in tokens per second. This script times exactly that work without an
 engine: two schedulers built from one ``VllmConfig`` and one ``KVCacheConfig`` (vLLM's own sizing), the native

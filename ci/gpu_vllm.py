@@ -1,4 +1,4 @@
-"""GPU proof of vllm-elastic-kv on real hardware (vLLM 0.26 on the H200; see ../shared/RECIPES.md).
+"""GPU proof of vllm-elastic-kv on real hardware (vLLM 0.26 on the H200; vLLM from ci/gpu-bundle/).
 
 Starts two engines on the GPU, one native and one with ``--kv-cache-backend=elastic``, each in a process of
 its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one summary:
@@ -18,14 +18,14 @@ its own, with CUDA graphs and torch.compile on (vLLM's defaults), and prints one
 * a timeline of where the engine thread's time went in the bursts (:class:`_Timeline`).
 
 What limits the throughput ratio's precision is the engine *process*, not the rounds: two native engines
-(``--calibrate``, an A/A run) differed by 14 % in engine-thread CPU time per burst, every phase alike,
-although they ran the same code on the same cores. Fixing the address layout and hash seed of both
-processes (the default: ``setarch -R``, ``PYTHONHASHSEED=0``; ``--random-layout`` to keep them random)
-brought that to 7 %: compare an A/B run with an A/A run made the same way, or run A/B twice, the second
-time with ``--swap`` (elastic in the slot that starts second): the geometric mean of the two ratios
-cancels whatever the slots themselves differ by. CPU cores (``--pin``): by default both engines run on the
-same cores (one bursts while the other idles) and this script on cores of its own; ``split`` gives each
-engine cores of its own; ``none`` pins nothing.
+(``--calibrate``, an A/A run) differ by several percent in engine-thread CPU time per burst, every phase
+alike, although they run the same code on the same cores. The script fixes the address layout and hash
+seed of both processes (the default: ``setarch -R``, ``PYTHONHASHSEED=0``; ``--random-layout`` keeps them
+random), which narrows that difference without removing it: compare an A/B run with an A/A run made the
+same way, or run A/B twice, the second time with ``--swap`` (elastic in the slot that starts second): the
+geometric mean of the two ratios cancels whatever the slots themselves differ by. CPU cores (``--pin``):
+by default both engines run on the same cores (one bursts while the other idles) and this script on cores
+of its own; ``split`` gives each engine cores of its own; ``none`` pins nothing.
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: TP=1 uses vLLM's uni executor, so the
 worker is in-process too) so the script can read the scheduler's pool and the worker's data plane directly;

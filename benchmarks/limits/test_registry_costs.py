@@ -2,8 +2,8 @@
 
 Run: ``pytest benchmarks/limits --benchmark-only`` (add ``--benchmark-columns=min,median,mean,ops``).
 
-try_charge is on the growth path -- once per logical page mapped, next to driver calls of 10-60 us
-(DESIGN.md) -- never per block; poll runs on every allocation, so it must stay far below a microsecond
+try_charge is on the growth path -- once per logical page mapped, next to driver calls of tens of
+microseconds -- never per block; poll runs on every allocation, so it must stay far below a microsecond
 or two. "contended" runs while another process charges and releases on the same device as fast as it can.
 """
 

@@ -150,7 +150,7 @@ def test_vllm_layouts(vllm_api: dict, spec_name: str, layout_name: str, page_siz
 def sglang_pools():
     try:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    except ImportError as exc:  # SGLang 0.5.23 imports torchvision at module level (see RECIPES.md)
+    except ImportError as exc:  # SGLang 0.5.23 imports torchvision at module level (docs/cpu-engines.md)
         pytest.skip(f"SGLang's memory pool does not import here: {exc}")
     return MHATokenToKVPool, MLATokenToKVPool
 

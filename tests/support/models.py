@@ -103,3 +103,13 @@ def _build(spec: TinyModelSpec, path: Path) -> None:
     fast.add_tokens([f"<x{i}>" for i in range(len(fast), spec.vocab_size)])
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+# Three distinct tiny models (different seeds and shapes, so their answers differ) for the multi-model
+# server's tests and demo. Head size 32 in each (the CPU attention backends' smallest).
+DISTINCT_SPECS = (
+    TinyModelSpec(name="tiny-llama-a", seed=11),
+    TinyModelSpec(name="tiny-llama-b", seed=12, hidden_size=64, num_attention_heads=2, num_key_value_heads=1),
+    TinyModelSpec(name="tiny-llama-c", seed=13, hidden_size=96, intermediate_size=192, num_attention_heads=3,
+                  num_key_value_heads=1, num_hidden_layers=3),
+)  # fmt: skip

@@ -30,7 +30,7 @@ from tests.support.models import REPO_ROOT
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
 LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
 
-# The engine settings of ../shared/RECIPES.md ("SGLang on the CPU") for a tiny model.
+# The engine settings of docs/cpu-engines.md ("SGLang on the CPU") for a tiny model.
 CPU_ENGINE_KWARGS: dict[str, Any] = {
     "device": "cpu",
     "attention_backend": "torch_native",

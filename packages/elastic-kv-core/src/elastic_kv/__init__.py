@@ -12,8 +12,14 @@ and never touches a GPU driver until a ``CudaBackend``/``HipBackend`` is created
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from elastic_kv.errors import ConfigError, ElasticKVError, PoolExhausted, StateConsistencyError
 
 __all__ = ["ConfigError", "ElasticKVError", "PoolExhausted", "StateConsistencyError", "__version__"]
 
-__version__ = "0.1.0"
+try:  # the repository's one VERSION file, through the installed distribution's metadata
+    __version__ = _version("elastic-kv-core")
+except PackageNotFoundError:  # imported from a source folder that was never installed
+    __version__ = "0+unknown"

@@ -46,7 +46,7 @@ UNLIMITED = 0
 
 # Latency operations a pool records (PoolRecord.observe) and the upper bounds of their histogram buckets,
 # in seconds. Fixed by the layout version: a record written with other bounds would be misread. A page
-# map costs 10-60 us on an H200 (DESIGN.md), a pre-map of many pages milliseconds; a last bucket +Inf
+# map costs tens of microseconds on a GPU, a pre-map of many pages milliseconds; a last bucket +Inf
 # follows the bounds.
 LATENCY_OPS: tuple[str, ...] = ("map", "unmap")
 HISTOGRAM_BOUNDS: tuple[float, ...] = (

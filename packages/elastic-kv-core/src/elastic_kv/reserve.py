@@ -10,11 +10,10 @@ call; after ``window`` quiet steps the reserve shrinks back to ``min_pages``. De
 (:meth:`ReservePolicy.note_expected`: requests arrived, their prompts not yet allocated) counts like pages
 taken into use in that interval, so the pages mapped ahead for it are not trimmed before they are used.
 
-Steps that leave the GPU bound by memory bandwidth (decode) run measurably slower beside page-table updates
-and memsets, while compute-bound steps (prefill) do not (on the H200, Llama-3-8B's shape: a decode step
-0.26-0.33 ms slower while the worker maps, the prefill steps as fast in total). So during such *light*
-steps the ledger aims only at :attr:`ReservePolicy.light_target` -- what light steps themselves took, at
-least ``min_pages`` -- and neither refills the reserve up to what the heavy steps took nor trims it below
+Steps that leave the GPU bound by memory bandwidth (decode) run slower beside page-table updates and
+memsets, while compute-bound steps (prefill) do not (``docs/results.md``). So during such *light* steps
+the ledger aims only at :attr:`ReservePolicy.light_target` -- what light steps themselves took, at least
+``min_pages`` -- and neither refills the reserve up to what the heavy steps took nor trims it below
 ``max_pages``: a reserve filled during the prefills is used up by the decode steps that follow, instead of
 being refilled beside them and unmapped at the idle transition.
 """

@@ -7,4 +7,10 @@ and ledger of one pool), :mod:`.pool` and :mod:`.allocators` (SGLang's classes, 
 :mod:`.plugin` (the ``sglang.srt.plugins`` entry point). Importing this package imports no SGLang code.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+try:  # the repository's one VERSION file, through the installed distribution's metadata
+    __version__ = _version("sglang-elastic-kv")
+except PackageNotFoundError:  # imported from a source folder that was never installed
+    __version__ = "0+unknown"

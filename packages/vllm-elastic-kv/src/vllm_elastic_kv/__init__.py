@@ -9,10 +9,15 @@ follows load. See ``docs/ARCHITECTURE.md`` (section "vLLM") for how the plugin h
 from __future__ import annotations
 
 import logging
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 __all__ = ["__version__", "register"]
 
-__version__ = "0.1.0"
+try:  # the repository's one VERSION file, through the installed distribution's metadata
+    __version__ = _version("vllm-elastic-kv")
+except PackageNotFoundError:  # imported from a source folder that was never installed
+    __version__ = "0+unknown"
 
 logger = logging.getLogger(__name__)
 

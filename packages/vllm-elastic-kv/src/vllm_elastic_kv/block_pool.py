@@ -285,9 +285,8 @@ class ElasticBlockPool(BlockPool):
     def _forget_all(self, blocks: list[KVCacheBlock]) -> bool:
         """Forget every prefix-cache entry at once, ``blocks`` being every block that has one (no request
         holds a block, the whole queue was taken): what vLLM's ``reset_prefix_cache`` does to the hash maps
-        and blocks. Evicting block by block was most of the idle transition, which the engine finishes
-        before it returns a burst's last outputs: 5.4 of its 5.7 ms on this CPU for a burst's 6,128 cached
-        blocks; on the H200's host it took 8-10 ms, now 3.4. False, with nothing done, when something
+        and blocks. The idle transition runs before the engine returns a burst's last outputs, and evicting
+        thousands of cached blocks one by one would be most of it. False, with nothing done, when something
         observes single evictions (KV cache events, block metrics) or this vLLM keeps its hashes elsewhere:
         the caller evicts then."""
         if self.enable_kv_cache_events or getattr(self, "metrics_collector", None) is not None:

@@ -140,13 +140,12 @@ def pool_geometry(
     ``auto_page_size`` the largest power-of-two multiple of it, up to ``AUTO_SLOT_MAX``, that keeps a
     logical page (one slot in every space or layer family) within ``AUTO_PAGE_BYTES``.
 
-    Why: the driver's cost is per physical handle, not per byte (~40-60 us to back a 2 MiB or a 32 MiB slot
-    on an H200), so a burst's growth costs the data plane time in proportion to the number of slots, and
-    on an H200 a small model's prefill outruns 2 MiB slots: bursts from idle waited 75 ms (8 layers) and
-    90 ms (22 layers) for background maps, 11 ms with 8 MiB slots and 1 ms with 32 MiB slots (8 layers).
-    A logical page is also the least an idle pool holds (the null block's page), so pages stay within
-    256 MiB, and slots within 8 MiB (the size measured end to end): up to 32 layers get 8 MiB slots, 64
-    layers 4 MiB, 80 layers keep 2 MiB. The scheduler and every worker compute the same plan.
+    Why: the driver's cost is per physical handle, not per byte (backing a 2 MiB and a 32 MiB slot cost
+    about the same), so a burst's growth costs the data plane time in proportion to the number of slots,
+    and with 2 MiB slots a small model's prefill on a GPU outruns the background maps. A logical page is
+    also the least an idle pool holds (the null block's page), so pages stay within 256 MiB, and slots
+    within 8 MiB (the largest size run end to end): up to 32 layers get 8 MiB slots, 64 layers 4 MiB,
+    80 layers keep 2 MiB. The scheduler and every worker compute the same plan.
     """
 
     def plan(page_size: int) -> BlockGeometry:
@@ -172,12 +171,11 @@ def reserve_min_pages(
     scheduler step can fill (``max_num_batched_tokens`` new tokens in every KV cache group), within
     ``[1, reserve_max_pages]``. The scheduler uses it (the ledger's reserve, and what an idle pool keeps).
 
-    Why: a page costs a GPU rank milliseconds of driver calls (~4 ms for Llama-3-8B's shape on the H200,
-    32 slots of 8 MiB), and a burst from idle opens with a prefill step of up to ``max_num_batched_tokens``
-    tokens. With one page kept while idle that step waited 13-18 ms for background maps and the engine ran
-    at 0.983 of native over both slot orders; keeping the step's 8 pages (16384 tokens), 0.3-1.5 ms and
-    0.989. The price is idle memory, 2 GiB there (``docs/results/gpu-vllm.md``, sixth and seventh
-    sessions). The host backend maps a page in microseconds.
+    Why: a page costs a GPU rank milliseconds of driver calls (one handle per layer), and a burst from
+    idle opens with a prefill step of up to ``max_num_batched_tokens`` tokens; with one page kept while
+    idle that step waits for background maps. Keeping the step's pages lets it start without a driver
+    call, at the price of idle memory (2 GiB for Llama-3-8B's shape; ``docs/results.md``). The host
+    backend maps a page in microseconds, so CPUs keep the configured minimum.
     """
     elastic = plugin.elastic
     if not gpu or "reserve_min_pages" in plugin.chosen:

@@ -89,9 +89,8 @@ class _ZeroingTarget:
     * unmapping: :meth:`prepare`, :meth:`unmap` and :meth:`close` wait on the host for the memsets first,
       so none writes to an address after its page is gone.
 
-    (``map`` used to synchronize the stream, and under a prefill the memsets queue behind the forward's
-    kernels: on the H200, Llama-3-8B's shape, a burst's maps took the rank 661 ms with that wait and 485 ms
-    without, and the scheduler's waits for them fell from 75 to 25 ms a burst; ``docs/results/gpu-vllm.md``.)
+    ``map`` does not wait for the memsets on the host because under a prefill they queue behind the
+    forward's kernels: waiting would hold the rank, and a scheduler waiting for its maps, for the forward.
     """
 
     def __init__(self, group: Any, geometry: BlockGeometry, flats: Sequence[torch.Tensor]) -> None:
@@ -151,9 +150,8 @@ class _ZeroingTarget:
 
     def _zero(self, pages: Sequence[int]) -> None:
         """Zero the blocks of ``pages`` with one ``_foreach_zero_`` (torch's multi-tensor kernels, as its
-        optimizers use): on the H200 a page of Llama-3-8B's shape (32 byte ranges of 8 MiB) takes the GPU
-        0.11 ms that way against 0.22-0.25 ms with a ``zero_`` per range, and the rank launches a few
-        kernels instead of 32 (``benchmarks/map_under_load.py``)."""
+        optimizers use): a few kernel launches instead of one ``zero_`` per byte range, and about half the
+        GPU time (``benchmarks/map_under_load.py``)."""
         geo = self._geo
         ranges: list[torch.Tensor] = []
         for blocks in _block_runs(geo, pages):

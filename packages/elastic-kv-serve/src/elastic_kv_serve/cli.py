@@ -1,0 +1,168 @@
+"""``elastic-kv``: serve many models behind one OpenAI endpoint, and show what the server is doing.
+
+    elastic-kv serve --config models.toml [--host H] [--port P]
+    elastic-kv serve --model NAME=PATH [--model NAME2=PATH2 ...] [--engine vllm|sglang] [--budget 80%]
+    elastic-kv status [--url http://127.0.0.1:8000] [--json]
+
+A bad config stops ``serve`` before anything starts, with one line naming the key (exit status 2). SIGTERM
+or SIGINT drains the server: it stops accepting, lets in-flight requests finish (``drain_timeout_s``), then
+stops every engine and removes their pool records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from elastic_kv.errors import ConfigError
+from elastic_kv.sizes import format_bytes
+
+__all__ = ["main", "render_status"]
+
+logger = logging.getLogger("elastic_kv_serve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the models of a config (or of --model flags)")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="a TOML config ([server], [[models]])")
+    source.add_argument("--model", action="append", metavar="NAME=PATH", help="a model to serve (repeatable)")
+    serve.add_argument(
+        "--engine", choices=("vllm", "sglang"), default="vllm", help="engine of --model models"
+    )
+    serve.add_argument("--host", help="listen address (overrides [server] host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides [server] port)")
+    serve.add_argument("--budget", help="--model form: device budget, e.g. 80%% or 100G")
+    serve.add_argument("--idle-sleep-s", type=float, help="--model form: idle seconds before a model sleeps")
+    serve.add_argument("--registry-dir", help="--model form: the pool registry directory")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    status = sub.add_parser("status", help="the state of every model of a running server")
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    status.add_argument("--json", action="store_true", help="the raw /status document")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from elastic_kv_serve.config import load_config, parse_config, quick_config
+
+    if args.config is not None:
+        config = load_config(args.config)
+    else:
+        server: dict[str, Any] = {}
+        for key in ("budget", "idle_sleep_s", "registry_dir"):
+            if getattr(args, key) is not None:
+                server[key] = getattr(args, key)
+        config = quick_config(args.model, args.engine, server)
+    overrides = {k: getattr(args, k) for k in ("host", "port") if getattr(args, k) is not None}
+    if overrides:
+        data = config.model_dump()
+        data["server"].update(overrides)
+        config = parse_config(data, "command line")
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from elastic_kv_serve.engines import EngineStartError
+    from elastic_kv_serve.router import create_app
+    from elastic_kv_serve.supervisor import Supervisor
+
+    config = _load(args)
+    supervisor = Supervisor(config)
+    try:
+        supervisor.probe_sleep_modes()
+    except EngineStartError as exc:
+        raise ConfigError(str(exc)) from None
+    app = create_app(config, supervisor)
+    srv = config.server
+    logger.info("serving %d model(s) on http://%s:%d", len(config.models), srv.host, srv.port)
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=srv.host,
+            port=srv.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=int(srv.drain_timeout_s) or None,
+            lifespan="on",
+            access_log=args.log_level == "debug",
+        )
+    )
+    uv.run()
+    return 0 if uv.started else 1
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    """The ``elastic-kv status`` table of a ``/status`` document."""
+    header = ["MODEL", "ENGINE", "STATE", "SLEEP", "PID", "WEIGHTS", "KV", "IN FLIGHT", "QUEUED", "WAKES",
+              "WAKE P50", "WAKE P99", "LAST USED"]  # fmt: skip
+    rows = []
+    for m in doc["models"]:
+
+        def secs(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}s"
+
+        last = "-" if m["last_used"] is None else _ago(m["last_used"])
+        rows.append(
+            [m["name"], m["engine"], m["state"], m["sleep_mode"], str(m["pid"] or "-"),
+             format_bytes(m["weights_bytes"]), format_bytes(m["kv_bytes"]), str(m["in_flight"]),
+             str(m["queued"]), str(m["wakes"]), secs(m["wake_p50_s"]), secs(m["wake_p99_s"]), last]
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    budget = doc["budget_bytes"]
+    lines.append(
+        f"budget {format_bytes(budget) if budget else 'none'}, used {format_bytes(doc['used_bytes'])} "
+        f"(awake weights + KV); registry {doc['registry_dir']}"
+    )
+    for m in doc["models"]:
+        if m["error"]:
+            lines.append(f"{m['name']}: {m['error']}")
+    return "\n".join(lines)
+
+
+def _ago(wall: float) -> str:
+    import time
+
+    return f"{max(0.0, time.time() - wall):.0f}s ago"
+
+
+def _status(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        reply = httpx.get(f"{args.url.rstrip('/')}/status", timeout=10)
+        reply.raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"elastic-kv status: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    doc = reply.json()
+    print(json.dumps(doc, indent=2) if args.json else render_status(doc))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        logging.basicConfig(
+            level=getattr(logging, args.log_level.upper()),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        try:
+            return _serve(args)
+        except ConfigError as exc:
+            print(f"elastic-kv: error: {exc}", file=sys.stderr)
+            return 2
+    return _status(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

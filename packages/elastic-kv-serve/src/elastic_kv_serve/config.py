@@ -1,0 +1,214 @@
+"""The server's configuration: a TOML file (the contract) or ``--model NAME=PATH`` flags, validated once.
+
+A config has one ``[server]`` table and one ``[[models]]`` entry per served model::
+
+    [server]
+    host = "127.0.0.1"          # where the OpenAI endpoint listens
+    port = 8000
+    registry_dir = "/dev/shm/elastic-kv-1000"   # pool records (kvctl); default: elastic-kv's own
+    budget = "80%"              # device memory every awake model's weights + KV must fit in ("100G" too)
+    device_memory = "80G"       # what "80%" is a share of; default: the device's size as measured
+    idle_sleep_s = 300          # default for models that do not set their own; 0 = never
+    wake_timeout_s = 300        # a request waits at most this long for its model to wake
+    start_timeout_s = 600       # an engine must answer /health within this long after it starts
+    drain_timeout_s = 60        # SIGTERM/SIGINT: in-flight requests get this long to finish
+    max_request_bytes = "4M"    # larger request bodies are refused with 413
+    log_dir = "/var/log/elastic-kv"    # engine logs (default: a temporary directory)
+
+    [[models]]
+    name = "llama-a"            # the OpenAI `model` name clients send
+    engine = "vllm"             # or "sglang"
+    model = "/path/or/hub-id"
+    args = ["--max-model-len", "4096"]  # passed through to the engine
+    env = { OMP_NUM_THREADS = "4" }     # added to the engine's environment
+    idle_sleep_s = 300          # 0 = never sleep
+    pinned = false              # pinned models never sleep
+    priority = 0                # higher keeps memory when the device is full
+    weights_bytes = "16G"       # the model's weights in memory; default: the checkpoint's weight files
+
+Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with one line that names the key
+(``models[1].idle_sleep_s: ...``). The tables are pydantic models with ``extra="forbid"`` and strict types.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tomllib
+from elastic_kv.errors import ConfigError
+from elastic_kv.sizes import Percent, parse_amount, parse_size
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ModelConfig",
+    "ServeConfig",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+    "pool_name_for",
+    "quick_config",
+]
+
+_POOL_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 512M or a number of bytes")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size must be >= 0")
+        return value
+    if isinstance(value, str):
+        return parse_size(value)
+    raise ValueError("expected a size such as 512M or a number of bytes")
+
+
+def _amount(value: Any) -> int | Percent:
+    if isinstance(value, str):
+        amount = parse_amount(value)
+        if isinstance(amount, int) and amount <= 0:
+            raise ValueError("a budget must be above 0 bytes")
+        return amount
+    size = _size(value)
+    if size <= 0:
+        raise ValueError("a budget must be above 0 bytes")
+    return size
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+Amount = Annotated[int | Percent, BeforeValidator(_amount)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True)
+
+
+class ServerConfig(_Table):
+    """The ``[server]`` table (see the module docstring)."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    registry_dir: Path | None = None
+    budget: Amount | None = None
+    device_memory: Size | None = None
+    idle_sleep_s: Seconds = 300.0
+    wake_timeout_s: PositiveSeconds = 300.0
+    start_timeout_s: PositiveSeconds = 600.0
+    drain_timeout_s: Seconds = 60.0
+    max_request_bytes: Size = 4 << 20
+    restart_backoff_s: PositiveSeconds = 1.0
+    restart_backoff_max_s: PositiveSeconds = 30.0
+    max_restarts: Annotated[int, Field(ge=0)] = 5
+    log_dir: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths(cls, data: Any) -> Any:
+        # TOML has no path type: accept strings for the path fields under strict mode.
+        if isinstance(data, dict):
+            for key in ("registry_dir", "log_dir"):
+                if isinstance(data.get(key), str):
+                    data = {**data, key: Path(data[key]).expanduser()}
+        return data
+
+
+class ModelConfig(_Table):
+    """One ``[[models]]`` entry (see the module docstring)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^\S+$")]
+    engine: Literal["vllm", "sglang"] = "vllm"
+    model: Annotated[str, Field(min_length=1)]
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    idle_sleep_s: Seconds | None = None
+    pinned: bool = False
+    priority: int = 0
+    weights_bytes: Size | None = None
+
+    @property
+    def pool_name(self) -> str:
+        """The elastic pool name the engine registers its KV cache under (see :func:`pool_name_for`)."""
+        return pool_name_for(self.name)
+
+
+def pool_name_for(model_name: str) -> str:
+    """``serve.<name>`` with characters a pool name cannot hold replaced by ``_`` (64 characters at most)."""
+    return ("serve." + _POOL_CHARS.sub("_", model_name))[:64]
+
+
+class ServeConfig(_Table):
+    """The whole config: one server, one or more models with distinct names and pool names."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig]
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ServeConfig:
+        if not self.models:
+            raise ValueError("at least one [[models]] entry is needed")
+        seen: dict[str, str] = {}
+        for model in self.models:
+            for key in (model.name, "pool " + model.pool_name):
+                if key in seen:
+                    raise ValueError(
+                        f"two models are called {model.name!r} (or share pool {model.pool_name})"
+                    )
+                seen[key] = model.name
+        return self
+
+    def idle_sleep_s(self, model: ModelConfig) -> float:
+        """The model's idle time before it sleeps (its own, else the server's default); 0 = never."""
+        if model.pinned:
+            return 0.0
+        return self.server.idle_sleep_s if model.idle_sleep_s is None else model.idle_sleep_s
+
+
+def _first_error(exc: ValidationError, source: str) -> ConfigError:
+    err = exc.errors()[0]
+    loc = ""
+    for part in err["loc"]:
+        loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = "unknown key"
+    return ConfigError(f"{source}: {loc or 'config'}: {message}")
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> ServeConfig:
+    """Validate a parsed TOML document; :class:`ConfigError` naming the first bad key."""
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(exc, source) from None
+
+
+def load_config(path: Path) -> ServeConfig:
+    """Read and validate a TOML config file; :class:`ConfigError` for a missing, malformed or bad file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def quick_config(
+    models: Sequence[str], engine: str = "vllm", server: dict[str, Any] | None = None
+) -> ServeConfig:
+    """The config of ``--model NAME=PATH`` flags (every model on ``engine``, the server's defaults)."""
+    entries: list[dict[str, Any]] = []
+    for i, item in enumerate(models):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--model[{i}]: {item!r}: expected NAME=PATH")
+        entries.append({"name": name, "engine": engine, "model": path})
+    return parse_config({"server": dict(server or {}), "models": entries}, "command line")

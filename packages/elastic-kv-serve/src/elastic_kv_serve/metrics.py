@@ -1,0 +1,123 @@
+"""Prometheus metrics of the server (prometheus-client, one private registry per server).
+
+Event metrics (recorded as they happen)::
+
+    elastic_kv_serve_requests_total{model,endpoint,code}       requests answered
+    elastic_kv_serve_request_seconds{model,endpoint}           request latency (histogram)
+    elastic_kv_serve_wake_seconds{model,mode}                  wake latency, request waiting (histogram)
+    elastic_kv_serve_restarts_total{model}                     engine restarts after a failure
+
+State metrics (read from the supervisor at each scrape)::
+
+    elastic_kv_serve_model_state{model,state}                  1 for the model's current state
+    elastic_kv_serve_model_in_flight{model}                    requests being served
+    elastic_kv_serve_model_queued{model}                       requests waiting for the model to wake
+    elastic_kv_serve_model_weights_bytes{model}                weights (counted while awake)
+    elastic_kv_serve_model_kv_bytes{model}                     KV backed now (the pool records)
+    elastic_kv_serve_model_wakes_total{model}                  wakes on demand
+    elastic_kv_serve_model_sleeps_total{model}                 sleeps (idle or to make room)
+    elastic_kv_serve_budget_bytes / elastic_kv_serve_used_bytes    the budget and what awake models use
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from elastic_kv_serve.runtime import State
+
+if TYPE_CHECKING:
+    from elastic_kv_serve.supervisor import Supervisor
+
+__all__ = ["ServeMetrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_WAKE_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class _StateCollector(Collector):
+    def __init__(self) -> None:
+        self.supervisor: Supervisor | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.supervisor
+        if sup is None:
+            return
+        state = GaugeMetricFamily(
+            "elastic_kv_serve_model_state", "1 for the model's state", labels=["model", "state"]
+        )
+        gauges = {
+            key: GaugeMetricFamily(f"elastic_kv_serve_model_{key}", help_, labels=["model"])
+            for key, help_ in (
+                ("in_flight", "requests being served"),
+                ("queued", "requests waiting for the model to wake"),
+                ("weights_bytes", "weights of the model"),
+                ("kv_bytes", "KV cache bytes backed now"),
+            )
+        }
+        counters = {
+            key: CounterMetricFamily(f"elastic_kv_serve_model_{key}", help_, labels=["model"])
+            for key, help_ in (("wakes", "wakes on demand"), ("sleeps", "sleeps"))
+        }
+        for rt in sup.models.values():
+            for s in State:
+                state.add_metric([rt.name, s.value], 1.0 if rt.state is s else 0.0)
+            gauges["in_flight"].add_metric([rt.name], rt.in_flight)
+            gauges["queued"].add_metric([rt.name], rt.queued)
+            gauges["weights_bytes"].add_metric([rt.name], rt.weights_bytes)
+            gauges["kv_bytes"].add_metric([rt.name], rt.kv_bytes)
+            counters["wakes"].add_metric([rt.name], rt.wakes)
+            counters["sleeps"].add_metric([rt.name], rt.sleeps)
+        yield state
+        yield from gauges.values()
+        yield from counters.values()
+        budget = GaugeMetricFamily("elastic_kv_serve_budget_bytes", "device budget of the models (0 = none)")
+        budget.add_metric([], sup.budget_bytes or 0)
+        yield budget
+        used = GaugeMetricFamily("elastic_kv_serve_used_bytes", "awake weights plus every model's KV")
+        used.add_metric([], sup.used_bytes())
+        yield used
+
+
+class ServeMetrics:
+    """The server's metrics in their own :class:`CollectorRegistry` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "elastic_kv_serve_requests",
+            "requests answered",
+            ["model", "endpoint", "code"],
+            registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "elastic_kv_serve_request_seconds",
+            "request latency, admission to the last byte",
+            ["model", "endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.wake_seconds = Histogram(
+            "elastic_kv_serve_wake_seconds",
+            "time from a wake's start to the model serving",
+            ["model", "mode"],
+            buckets=_WAKE_BUCKETS,
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "elastic_kv_serve_restarts", "engine restarts after a failure", ["model"], registry=self.registry
+        )
+        self._state = _StateCollector()
+        self.registry.register(self._state)
+
+    def bind(self, supervisor: Supervisor) -> None:
+        """Read state metrics from ``supervisor`` at each scrape."""
+        self._state.supervisor = supervisor
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

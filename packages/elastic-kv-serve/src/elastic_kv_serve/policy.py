@@ -1,0 +1,72 @@
+"""Who sleeps when memory is short, and who sleeps because it is idle: pure functions over plain facts.
+
+The device budget covers every awake model's footprint (weights + KV). A model that must wake needs its
+weights plus the KV it holds while idle; when that does not fit next to the awake models, idle models are
+put to sleep first in the order *lowest priority, then least recently used*. A model is never put to
+sleep for a model of lower priority, nor while it is pinned or serving requests (in flight or queued).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits"]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An awake model as the policy sees it."""
+
+    name: str
+    priority: int
+    last_used: float  # monotonic seconds of its last request's end (or of waking)
+    footprint_bytes: int  # weights + KV it holds now
+    pinned: bool = False
+    busy: bool = False  # requests in flight or queued
+    idle_sleep_s: float = 0.0  # 0 = never sleeps when idle
+
+
+def fits(need_bytes: int, used_bytes: int, budget_bytes: int | None) -> bool:
+    """True when ``need_bytes`` more fit beside ``used_bytes`` (always, without a budget)."""
+    return budget_bytes is None or used_bytes + need_bytes <= budget_bytes
+
+
+def choose_victims(
+    candidates: Iterable[Candidate],
+    *,
+    need_bytes: int,
+    used_bytes: int,
+    budget_bytes: int | None,
+    for_priority: int,
+) -> list[Candidate] | None:
+    """The models to put to sleep so that ``need_bytes`` fit, in the order they should go.
+
+    ``[]`` when it fits already; ``None`` when even every eligible model asleep would not make room (the
+    caller waits for models to become idle, or gives up). Eligible: not pinned, not busy, priority at most
+    ``for_priority``. Order: lowest priority first, then least recently used.
+    """
+    if fits(need_bytes, used_bytes, budget_bytes):
+        return []
+    assert budget_bytes is not None
+    eligible = sorted(
+        (c for c in candidates if not c.pinned and not c.busy and c.priority <= for_priority),
+        key=lambda c: (c.priority, c.last_used),
+    )
+    chosen: list[Candidate] = []
+    used = used_bytes
+    for victim in eligible:
+        chosen.append(victim)
+        used -= victim.footprint_bytes
+        if fits(need_bytes, used, budget_bytes):
+            return chosen
+    return None
+
+
+def due_to_sleep(candidates: Sequence[Candidate], now: float) -> list[Candidate]:
+    """Awake models idle for at least their ``idle_sleep_s`` (0 = never), pinned and busy ones excluded."""
+    return [
+        c
+        for c in candidates
+        if c.idle_sleep_s > 0 and not c.pinned and not c.busy and now - c.last_used >= c.idle_sleep_s
+    ]

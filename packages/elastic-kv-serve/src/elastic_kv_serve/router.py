@@ -1,0 +1,254 @@
+"""The OpenAI endpoint: one FastAPI app in front of every model's engine.
+
+Routes::
+
+    GET  /v1/models              every configured model (awake or not)
+    POST /v1/completions         forwarded to the engine of the body's ``model``
+    POST /v1/chat/completions    same; ``"stream": true`` answers are relayed chunk by chunk (SSE)
+    GET  /health                 200 while the server serves, 503 while it shuts down
+    GET  /status                 the supervisor's state (``elastic-kv status`` reads it)
+    GET  /metrics                Prometheus text format
+
+Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a body that is
+not a JSON object with a string ``model``, 404 for an unknown model, 413 for a body over
+``max_request_bytes``, 503 when the model cannot serve (its engine failed or died mid-request, it did not
+wake in time, the server is stopping). A client that disconnects has its upstream request closed, which
+makes the engine abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from elastic_kv_serve.config import ServeConfig
+from elastic_kv_serve.runtime import ModelRuntime
+from elastic_kv_serve.supervisor import ModelUnavailable, Supervisor, UnknownModel
+
+__all__ = ["create_app", "openai_error"]
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error response (503s say when to retry)."""
+    headers = {"retry-after": "1"} if status == 503 else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> FastAPI:
+    """The app; its lifespan starts the supervisor and, after the HTTP server drained, stops it."""
+    sup = supervisor or Supervisor(config)
+    # One loopback connection per request: a kept-alive connection that the engine's HTTP server closes
+    # (idle timeout) just as a request is sent on it fails that request, and a retry is not safe.
+    upstream = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await sup.start()
+        try:
+            yield
+        finally:
+            logger.info("draining done; stopping the engines")
+            await upstream.aclose()
+            await sup.shutdown()
+
+    app = FastAPI(title="elastic-kv serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.supervisor = sup
+
+    @app.get("/health")
+    async def health() -> Response:
+        if sup.closing:
+            return openai_error(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/status")
+    async def status() -> Response:
+        return JSONResponse(sup.status())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(sup.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {
+                "id": rt.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "elastic-kv",
+                "state": rt.state.value,
+            }
+            for rt in sup.models.values()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _proxy(request, "/v1/chat/completions")
+
+    async def _proxy(request: Request, path: str) -> Response:
+        t0 = time.monotonic()
+        try:
+            body = await _read_body(request, config.server.max_request_bytes)
+        except _TooLarge:
+            return openai_error(
+                413, f"the request body is larger than {config.server.max_request_bytes} bytes"
+            )
+        try:
+            payload: Any = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return openai_error(400, f"the request body is not valid JSON: {exc}")
+        if not isinstance(payload, dict) or not isinstance(payload.get("model"), str):
+            return openai_error(400, "the request body must be a JSON object with a string 'model'", "model")
+        name = payload["model"]
+        try:
+            rt = sup.model(name)
+        except UnknownModel:
+            return openai_error(404, f"The model `{name}` does not exist.", "model")
+
+        def done(code: int) -> None:
+            sup.metrics.requests.labels(name, path, str(code)).inc()
+            sup.metrics.request_seconds.labels(name, path).observe(time.monotonic() - t0)
+
+        stack = contextlib.AsyncExitStack()
+        try:
+            url = await stack.enter_async_context(sup.admit(rt))
+            upstream_request = upstream.build_request(
+                "POST", url + path, content=body, headers={"content-type": "application/json"}
+            )
+            reply = await upstream.send(upstream_request, stream=True)
+        except ModelUnavailable as exc:
+            await stack.aclose()
+            done(503)
+            return openai_error(503, str(exc))
+        except httpx.HTTPError as exc:
+            await stack.aclose()
+            await sup.upstream_failed(rt)
+            done(503)
+            return openai_error(503, f"the engine of model {name} failed: {type(exc).__name__}")
+        except BaseException:
+            await stack.aclose()
+            raise
+
+        if payload.get("stream") and reply.status_code == 200:
+            return StreamingResponse(
+                _relay(reply, stack, done, sup, rt),
+                status_code=200,
+                media_type=reply.headers.get("content-type", "text/event-stream"),
+                headers={"cache-control": "no-cache"},
+            )
+        try:
+            content = await _read_unless_gone(request, reply)
+        except httpx.HTTPError as exc:
+            with anyio.CancelScope(shield=True):
+                await reply.aclose()
+                await stack.aclose()
+                await sup.upstream_failed(rt)
+            done(503)
+            return openai_error(503, f"the engine of model {name} failed mid-request: {type(exc).__name__}")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await reply.aclose()
+                await stack.aclose()
+        if content is None:
+            done(499)
+            return Response(status_code=499)
+        done(reply.status_code)
+        return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+    return app
+
+
+async def _read_unless_gone(request: Request, reply: httpx.Response) -> bytes | None:
+    """The whole upstream body, or ``None`` once the client disconnected (the upstream read is cancelled)."""
+    read = asyncio.ensure_future(reply.aread())
+    try:
+        while True:
+            done, _ = await asyncio.wait({read}, timeout=0.25)
+            if done:
+                return read.result()
+            if await request.is_disconnected():
+                logger.info("client went away: closing the upstream request")
+                return None
+    finally:
+        if not read.done():
+            read.cancel()
+            with contextlib.suppress(BaseException):
+                await read
+
+
+async def _relay(
+    reply: httpx.Response, stack: contextlib.AsyncExitStack, done: Any, sup: Supervisor, rt: ModelRuntime
+) -> AsyncIterator[bytes]:
+    """Chunks of the upstream SSE stream as they come; on a client disconnect Starlette cancels this and the
+    upstream response is closed (shielded) so the engine aborts the request."""
+    code = 200
+    failed = False
+    try:
+        async for chunk in reply.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        code, failed = 503, True
+        error = error_body(503, f"the engine of model {rt.name} failed mid-stream: {type(exc).__name__}")
+        yield f"data: {json.dumps(error)}\n\n".encode()
+    except BaseException:
+        code = 499
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await reply.aclose()
+            await stack.aclose()
+            if failed:
+                await sup.upstream_failed(rt)
+            done(code)

@@ -1,0 +1,141 @@
+"""One served model's live state: :class:`State`, request counters, memory, wake statistics.
+
+A :class:`ModelRuntime` belongs to the server's event loop; only the supervisor changes its state, and
+every change wakes whoever waits for one (:meth:`ModelRuntime.wait_change`).
+
+States::
+
+    starting   the engine process is starting (first start or a restart after a failure)
+    awake      serving: requests are forwarded to its engine
+    sleeping   going to sleep (its engine's sleep API, or stopping its process)
+    asleep     not serving; a request wakes it (engine sleep mode) or cold-starts it (stop mode)
+    waking     waking up for a request (or making room first)
+    failed     its engine died or could not start; restarted with back-off, requests get 503 meanwhile
+    stopped    the server is shutting down or gave up restarting it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from elastic_kv_serve.config import ModelConfig
+from elastic_kv_serve.engines import EngineProcess, SleepMode
+
+__all__ = ["ModelRuntime", "State", "quantile"]
+
+
+class State(str, Enum):
+    STARTING = "starting"
+    AWAKE = "awake"
+    SLEEPING = "sleeping"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+# States in which a model holds its weights on the device (or is about to).
+HOLDS_WEIGHTS = frozenset({State.STARTING, State.AWAKE, State.SLEEPING, State.WAKING})
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (nearest rank), ``None`` when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    """A model's configuration plus everything the server knows about it now."""
+
+    config: ModelConfig
+    idle_sleep_s: float
+    weights_bytes: int
+    sleep_mode: SleepMode = "stop"
+    state: State = State.ASLEEP
+    engine: EngineProcess | None = None
+    in_flight: int = 0
+    queued: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    last_used_wall: float | None = None
+    kv_bytes: int = 0
+    idle_kv_bytes: int = 0  # KV it held when last seen idle: what waking it needs besides its weights
+    wakes: int = 0
+    sleeps: int = 0
+    restarts: int = 0
+    failures: int = 0  # consecutive failed starts or deaths; reset once it serves
+    error: str | None = None
+    wake_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.queued > 0
+
+    @property
+    def footprint_bytes(self) -> int:
+        """What it holds on the device now: its weights while awake, plus its KV."""
+        return (self.weights_bytes if self.state in HOLDS_WEIGHTS else 0) + self.kv_bytes
+
+    def set_state(self, state: State, error: str | None = None) -> None:
+        """Move to ``state`` and wake everyone waiting for a change."""
+        self.state = state
+        self.error = error
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout_s: float) -> bool:
+        """Wait for the next state change; False if ``timeout_s`` passed first."""
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        return True
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+        self.last_used_wall = time.time()
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` entry of this model (JSON-ready)."""
+        waits = list(self.wake_seconds)
+        return {
+            "name": self.name,
+            "engine": self.config.engine,
+            "model": self.config.model,
+            "state": self.state.value,
+            "sleep_mode": self.sleep_mode,
+            "pid": self.engine.pid if self.engine is not None and self.engine.alive() else None,
+            "port": self.engine.port if self.engine is not None and self.engine.alive() else None,
+            "pool": self.config.pool_name,
+            "priority": self.config.priority,
+            "pinned": self.config.pinned,
+            "idle_sleep_s": self.idle_sleep_s,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "footprint_bytes": self.footprint_bytes,
+            "in_flight": self.in_flight,
+            "queued": self.queued,
+            "last_used": self.last_used_wall,
+            "wakes": self.wakes,
+            "sleeps": self.sleeps,
+            "restarts": self.restarts,
+            "wake_p50_s": quantile(waits, 0.5),
+            "wake_p99_s": quantile(waits, 0.99),
+            "error": self.error,
+            "log": str(self.engine.log_path) if self.engine is not None else None,
+        }

@@ -1,0 +1,113 @@
+"""``elastic-kv serve``'s config contract: valid files load, unknown keys and bad values are refused with
+one line naming the key, ``--model NAME=PATH`` builds the same objects, and the CLI exits non-zero."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from elastic_kv.errors import ConfigError
+from elastic_kv.sizes import Percent
+from elastic_kv_serve.config import load_config, parse_config, quick_config
+
+GOOD = """
+[server]
+host = "0.0.0.0"
+port = 9000
+budget = "80%"
+idle_sleep_s = 120
+
+[[models]]
+name = "llama-a"
+engine = "vllm"
+model = "/models/a"
+args = ["--max-model-len", "4096"]
+idle_sleep_s = 0
+priority = 2
+
+[[models]]
+name = "org/llama-b"
+engine = "sglang"
+model = "/models/b"
+pinned = true
+weights_bytes = "16G"
+env = { OMP_NUM_THREADS = "4" }
+"""
+
+
+def test_a_full_config_loads(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(GOOD)
+    cfg = load_config(path)
+    assert cfg.server.host == "0.0.0.0" and cfg.server.port == 9000
+    assert cfg.server.budget == Percent(80.0)
+    a, b = cfg.models
+    assert a.args == ["--max-model-len", "4096"] and a.priority == 2 and cfg.idle_sleep_s(a) == 0
+    assert b.engine == "sglang" and b.weights_bytes == 16 << 30 and b.env == {"OMP_NUM_THREADS": "4"}
+    assert cfg.idle_sleep_s(b) == 0  # pinned never sleeps
+    assert b.pool_name == "serve.org_llama-b"
+
+
+def test_server_defaults_apply() -> None:
+    cfg = parse_config({"models": [{"name": "m", "model": "/m"}]})
+    assert cfg.server.port == 8000 and cfg.server.budget is None
+    assert cfg.idle_sleep_s(cfg.models[0]) == cfg.server.idle_sleep_s == 300.0
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"server": {"prot": 1}, "models": [{"name": "m", "model": "/m"}]}, "server.prot: unknown key"),
+        ({"models": [{"name": "m", "model": "/m", "idle": 3}]}, "models[0].idle: unknown key"),
+        ({"models": [{"name": "m", "model": "/m", "engine": "tgi"}]}, "models[0].engine"),
+        ({"models": [{"name": "m", "model": "/m"}, {"name": "n", "model": "/n", "priority": "hi"}]},
+         "models[1].priority"),
+        ({"models": [{"name": "m", "model": "/m", "idle_sleep_s": -1}]}, "models[0].idle_sleep_s"),
+        ({"server": {"budget": "120%"}, "models": [{"name": "m", "model": "/m"}]}, "server.budget"),
+        ({"server": {"budget": "lots"}, "models": [{"name": "m", "model": "/m"}]}, "server.budget"),
+        ({"server": {"port": 70000}, "models": [{"name": "m", "model": "/m"}]}, "server.port"),
+        ({"models": [{"name": "m", "model": "/m", "args": "--x"}]}, "models[0].args"),
+        ({"models": [{"name": "has space", "model": "/m"}]}, "models[0].name"),
+        ({"models": [{"name": "m", "model": "/m"}, {"name": "m", "model": "/n"}]}, "two models are called"),
+        ({"models": []}, "at least one"),
+        ({"server": {}}, "models: Field required"),
+    ],
+)  # fmt: skip
+def test_bad_configs_name_the_key(data: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "models.toml")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("models.toml: ") and named in message
+
+
+def test_malformed_toml_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[server\nport = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_quick_form() -> None:
+    cfg = quick_config(["a=/m/a", "b=/m/b"], "sglang", {"budget": "10G", "idle_sleep_s": 5.0})
+    assert [(m.name, m.model, m.engine) for m in cfg.models] == [
+        ("a", "/m/a", "sglang"),
+        ("b", "/m/b", "sglang"),
+    ]
+    assert cfg.server.budget == 10 << 30 and cfg.server.idle_sleep_s == 5.0
+    with pytest.raises(ConfigError, match=r"--model\[1\]: 'oops': expected NAME=PATH"):
+        quick_config(["a=/m/a", "oops"])
+
+
+def test_cli_refuses_a_bad_config_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(GOOD.replace("priority = 2", "priority = 2\nsleepy = true"))
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"elastic-kv: error: {path}: models[0].sleepy: unknown key"]

@@ -1,0 +1,62 @@
+"""The sleep manager's policy without engines: who makes room, in which order, and who sleeps when idle."""
+
+from __future__ import annotations
+
+from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits
+
+MiB = 1 << 20
+
+
+def _c(name: str, prio: int, used: float, size: int, **kw: object) -> Candidate:
+    return Candidate(name, prio, used, size * MiB, **kw)  # type: ignore[arg-type]
+
+
+def test_fits() -> None:
+    assert fits(10, 90, 100) and not fits(11, 90, 100) and fits(10**12, 10**12, None)
+
+
+def test_nothing_to_do_when_it_fits() -> None:
+    one = [_c("a", 0, 1, 50)]
+    victims = choose_victims(one, need_bytes=10 * MiB, used_bytes=50 * MiB, budget_bytes=100 * MiB,
+                             for_priority=0)  # fmt: skip
+    assert victims == []
+
+
+def test_lowest_priority_then_least_recently_used_goes_first() -> None:
+    models = [_c("hi-old", 5, 1.0, 30), _c("lo-new", 0, 9.0, 30), _c("lo-old", 0, 2.0, 30)]
+    victims = choose_victims(
+        models, need_bytes=30 * MiB, used_bytes=90 * MiB, budget_bytes=100 * MiB, for_priority=5
+    )
+    assert [v.name for v in victims or []] == ["lo-old"]
+    victims = choose_victims(
+        models, need_bytes=60 * MiB, used_bytes=90 * MiB, budget_bytes=100 * MiB, for_priority=5
+    )
+    assert [v.name for v in victims or []] == ["lo-old", "lo-new"]
+
+
+def test_pinned_busy_and_higher_priority_models_stay() -> None:
+    models = [_c("pinned", 0, 1, 40, pinned=True), _c("busy", 0, 2, 40, busy=True), _c("vip", 9, 3, 40)]
+    assert choose_victims(models, need_bytes=40 * MiB, used_bytes=120 * MiB, budget_bytes=130 * MiB,
+                          for_priority=1) is None  # fmt: skip
+    victims = choose_victims(
+        models, need_bytes=40 * MiB, used_bytes=120 * MiB, budget_bytes=130 * MiB, for_priority=9
+    )
+    assert [v.name for v in victims or []] == ["vip"]
+
+
+def test_impossible_requests_answer_none() -> None:
+    one = [_c("a", 0, 1, 10)]
+    victims = choose_victims(one, need_bytes=500 * MiB, used_bytes=10 * MiB, budget_bytes=100 * MiB,
+                             for_priority=0)  # fmt: skip
+    assert victims is None
+
+
+def test_idle_models_due_to_sleep() -> None:
+    models = [
+        _c("idle", 0, 0.0, 1, idle_sleep_s=10.0),
+        _c("recent", 0, 95.0, 1, idle_sleep_s=10.0),
+        _c("never", 0, 0.0, 1, idle_sleep_s=0.0),
+        _c("pinned", 0, 0.0, 1, idle_sleep_s=10.0, pinned=True),
+        _c("busy", 0, 0.0, 1, idle_sleep_s=10.0, busy=True),
+    ]
+    assert [c.name for c in due_to_sleep(models, now=100.0)] == ["idle"]
