@@ -163,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
     p.add_argument("--sample-period", type=float, help="seconds between KV memory samples")
     p.add_argument("--settle", type=float, help="idle seconds between loads")
+    p.add_argument(
+        "--time-limit", type=float, help="seconds per set-up; loads that would pass it are left out"
+    )
     args = p.parse_args(argv)
     saved = args.out / "trace.json"
     if args.device is None:
@@ -275,56 +278,82 @@ def _warm_up(endpoints: dict[str, str], names: list[str], timeout_s: float) -> N
             raise RuntimeError(f"warm-up of {name} failed: HTTP {reply.status_code}: {reply.text[:200]}")
 
 
+def _replay_load(
+    setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec, load: float
+) -> dict[str, Any]:
+    """Replay the trace at ``load`` against a running set-up; the load's record (metrics added later)."""
+    trace = build_trace(spec, load)
+    sampler = setup.sampler(args.sample_period) if hasattr(setup, "sampler") else None
+    step = max(1, len(trace.requests) // 10)
+
+    def progress(done: int, total: int) -> None:
+        if done % step == 0 or done == total:
+            logger.info("%s load %g: %d/%d requests done", setup.name, load, done, total)
+
+    logger.info("%s load %g: %d requests over %.0f s", setup.name, load, len(trace.requests), trace.span_s)
+    outcomes = replay(
+        trace,
+        setup.endpoints,
+        plan.names,
+        plan.shape.vocab_size,
+        args.request_timeout,
+        on_start=sampler.start if sampler is not None else lambda start: None,
+        on_progress=progress,
+    )
+    rows = [o.as_dict() for o in outcomes]
+    if sampler is not None:
+        memory, budget = sampler.stop(), sampler.budget_bytes
+    else:  # static: each engine's KV cache is allocated once, at its fixed size
+        end = max((o["arrival_s"] + (o["latency_s"] or 0.0) for o in rows), default=0.0)
+        kv = {name: setup.kv_bytes.get(name, 0) for name in plan.names}
+        memory, budget = [{"t": 0.0, "kv": kv}, {"t": round(end, 3), "kv": kv}], 0
+    return {
+        **trace.as_dict(),
+        "peak_kv_bytes": max((sum(s["kv"].values()) for s in memory), default=0),
+        "budget_bytes": budget,
+        "memory": memory,
+        "outcomes": rows,
+    }
+
+
 def run_setup(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec, slo: Slo) -> dict[str, Any]:
-    """Start ``setup``, replay every load, stop it; the set-up's record (also written to ``<name>.json``)."""
+    """Start ``setup``, replay every load, stop it; the set-up's record.
+
+    ``<name>.json`` in ``--out`` is rewritten after every load (a run cut short keeps the loads it
+    finished); loads recorded there by an earlier run of the same trace stay unless replayed now.
+    With ``--time-limit``, a load whose span would end past the limit is left out (logged).
+    """
+    path = args.out / f"{setup.name}.json"
     record: dict[str, Any] = {"loads": {}}
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        if earlier.get("trace") == spec.describe():
+            record["loads"] = earlier.get("loads", {})
+    record["trace"] = spec.describe()
     t0 = time.monotonic()
     try:
         setup.start()
         logger.info("%s: up in %.0f s: %s", setup.name, time.monotonic() - t0, setup.describe)
+        record.update(setup.info())
         _warm_up(setup.endpoints, plan.names, args.request_timeout)
         for load in args.loads:
-            trace = build_trace(spec, load)
-            sampler = setup.sampler(args.sample_period) if hasattr(setup, "sampler") else None
-            step = max(1, len(trace.requests) // 10)
-
-            def progress(done: int, total: int, load: float = load, step: int = step) -> None:
-                if done % step == 0 or done == total:
-                    logger.info("%s load %g: %d/%d requests done", setup.name, load, done, total)
-
-            logger.info(
-                "%s load %g: %d requests over %.0f s", setup.name, load, len(trace.requests), trace.span_s
-            )
-            outcomes = replay(
-                trace,
-                setup.endpoints,
-                plan.names,
-                plan.shape.vocab_size,
-                args.request_timeout,
-                on_start=sampler.start if sampler is not None else lambda start: None,
-                on_progress=progress,
-            )
-            rows = [o.as_dict() for o in outcomes]
-            if sampler is not None:
-                memory, budget = sampler.stop(), sampler.budget_bytes
-            else:  # static: each engine's KV cache is allocated once, at its fixed size
-                end = max((o["arrival_s"] + (o["latency_s"] or 0.0) for o in rows), default=0.0)
-                kv = {name: setup.kv_bytes.get(name, 0) for name in plan.names}
-                memory, budget = [{"t": 0.0, "kv": kv}, {"t": round(end, 3), "kv": kv}], 0
-            metrics = summarize(rows, slo, trace.span_s)
-            record["loads"][f"{load:g}"] = {
-                **trace.as_dict(),
-                "metrics": metrics,
-                "peak_kv_bytes": max((sum(s["kv"].values()) for s in memory), default=0),
-                "budget_bytes": budget,
-                "memory": memory,
-                "outcomes": rows,
-            }
-            logger.info("%s load %g: %s", setup.name, load, json.dumps({k: metrics[k] for k in _HEADLINE}))
+            span = build_trace(spec, load).span_s
+            if args.time_limit and time.monotonic() - t0 + span > args.time_limit:
+                logger.warning(
+                    "%s load %g: left out (its %.0f s span would pass --time-limit)", setup.name, load, span
+                )
+                continue
+            run = _replay_load(setup, plan, args, spec, load)
+            run["metrics"] = summarize(run["outcomes"], slo, run["span_s"])
+            record["loads"][f"{load:g}"] = run
+            path.write_text(json.dumps(record) + "\n")
+            headline = {k: run["metrics"][k] for k in _HEADLINE}
+            logger.info("%s load %g: %s", setup.name, load, json.dumps(headline))
             time.sleep(args.settle)
     finally:
         record.update(setup.info())
         setup.stop()
+        path.write_text(json.dumps(record) + "\n")
     return record
 
 
@@ -385,9 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.setups:
             if name == "sleep" and not serve_available():
                 print("sleep: skipped: elastic-kv serve is not installed (packages/elastic-kv-serve)")
-                (args.out / "sleep.json").write_text(
-                    json.dumps({"skipped": "elastic-kv serve is not installed"})
-                )
+                if not (args.out / "sleep.json").exists():
+                    (args.out / "sleep.json").write_text(
+                        json.dumps({"skipped": "elastic-kv serve is not installed"})
+                    )
                 continue
             if name == "elastic" and plan.kv_total is None:
                 print(
@@ -402,7 +432,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 setup = SleepSetup(plan, args.out / "models.toml")
             record = run_setup(setup, plan, args, spec, slo)
-            (args.out / f"{name}.json").write_text(json.dumps(record) + "\n")
             if name == "static" and plan.kv_total is None:
                 plan.kv_total = record["kv_total_bytes"]
     results = build_report(args, slo, spec)

@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,8 @@ class StaticSetup(_Engines):
         super().__init__(plan)
         self.kv_bytes: dict[str, int] = {}
 
-    def start(self) -> None:
+    def shares(self) -> tuple[int, list[str]]:
+        """How many engines fit and the arguments that give each its share (sets ``describe``)."""
         plan = self.plan
         n = len(plan.names)
         if plan.device == "cpu":
@@ -161,6 +163,11 @@ class StaticSetup(_Engines):
             )
         if fit < n:
             self.describe += f"; {n - fit} models do not fit"
+        return fit, args
+
+    def start(self) -> None:
+        plan = self.plan
+        fit, args = self.shares()
         env = {**plan.base_env(), "VLLM_PLUGINS": ""}
         self._start({name: env for name in plan.names[:fit]}, args)
         self.kv_bytes = {s.name: _kv_capacity(s.url, plan.shape) for s in self.servers}
@@ -236,25 +243,38 @@ class SleepSetup:
         self.registry = Path(tempfile.mkdtemp(prefix="mm-sleep-registry-"))
         self.server: ServerProcess | None = None
         self.describe = ""
+        self.weights_bytes = 0
         from elastic_kv_serve.config import pool_name_for
 
         self.pools = {pool_name_for(name): name for name in plan.names}
 
     def config(self, port: int) -> tuple[str, int]:
-        """The TOML config of this set-up and its budget in bytes."""
+        """The TOML config of this set-up and its budget in bytes.
+
+        CUDA: the budget is ``gpu_share`` of the device; each model's weights are its parameters plus the
+        per-engine overhead, and its virtual KV capacity is what the budget leaves beside one model's
+        weights. CPU: a tiny model's real weights (a few MiB) would never make models compete, so each model
+        declares its weights plus the KV total as ``weights_bytes`` and the budget is ``awake`` such
+        footprints plus the KV total: at most ``awake`` models fit awake at once, and with that many awake
+        the KV they share is the KV total, as in the other set-ups.
+        """
         plan = self.plan
-        weights = plan.shape.weights_bytes + plan.overhead
         if plan.device == "cpu":
             assert plan.kv_total is not None
-            kv_capacity = plan.kv_total
+            weights = plan.shape.weights_bytes + plan.overhead + plan.kv_total
             budget = plan.awake * weights + plan.kv_total
-            args = ["--kv-cache-memory-bytes", str(kv_capacity)]
+            args = ["--kv-cache-memory-bytes", str(plan.kv_total)]
             env = CPU_POOL_ENV
         else:
+            weights = plan.shape.weights_bytes + plan.overhead
             budget = int(plan.gpu_share * plan.gpu_total)
-            kv_capacity = budget - weights
             util = min(plan.gpu_share, (weights + 2**30) / plan.gpu_total)
-            args = ["--kv-cache-memory-bytes", str(kv_capacity), "--gpu-memory-utilization", f"{util:.4f}"]
+            args = [
+                "--kv-cache-memory-bytes",
+                str(budget - weights),
+                "--gpu-memory-utilization",
+                f"{util:.4f}",
+            ]
             env = {}
         server = {
             "host": "127.0.0.1",
@@ -262,13 +282,14 @@ class SleepSetup:
             "registry_dir": str(self.registry),
             "budget": budget,
             "idle_sleep_s": plan.idle_sleep_s,
-            "log_dir": str(plan.logs / "sleep-engines"),
             "start_timeout_s": plan.start_timeout_s,
+            "wake_timeout_s": plan.start_timeout_s,
+            "log_dir": str(plan.logs / "sleep-engines"),
         }
         lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
         n = len(plan.names)
         for i, name in enumerate(plan.names):
-            model = {
+            model: dict[str, Any] = {
                 "name": name,
                 "engine": "vllm",
                 "model": str(plan.model_dir),
@@ -280,6 +301,7 @@ class SleepSetup:
             if env:
                 model["env"] = dict(env)
             lines += ["", "[[models]]"] + [f"{k} = {_toml(v)}" for k, v in model.items()]
+        self.weights_bytes = weights
         return "\n".join(lines) + "\n", budget
 
     def start(self) -> None:
@@ -288,17 +310,45 @@ class SleepSetup:
         text, budget = self.config(port)
         self.config_path.write_text(text)
         (plan.logs / "sleep-engines").mkdir(parents=True, exist_ok=True)
-        awake = budget // (plan.shape.weights_bytes + plan.overhead) if plan.device == "cuda" else plan.awake
+        awake = min(len(plan.names), budget // self.weights_bytes)
         self.describe = (
             f"elastic-kv serve --config {self.config_path.name}: {len(plan.names)} models, budget "
-            f"{budget / 2**30:.3f} GiB for weights + KV (at most ~{min(awake, len(plan.names))} awake), "
-            f"idle_sleep_s {plan.idle_sleep_s:g}"
+            f"{budget / 2**30:.3f} GiB for weights ({self.weights_bytes / 2**30:.3f} GiB a model) + KV, "
+            f"at most {awake} awake, idle_sleep_s {plan.idle_sleep_s:g}"
         )
         argv = [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config_path)]
         self.server = ServerProcess(
             "elastic-kv serve", argv, plan.base_env(), port, plan.logs / "sleep-serve.log"
         )
-        self.server.wait_ready(plan.start_timeout_s * len(plan.names))
+        timeout = plan.start_timeout_s * len(plan.names)
+        self.server.wait_ready(timeout)
+        self._wait_started(timeout)
+
+    def status(self) -> dict[str, Any]:
+        """The server's ``/status`` document."""
+        assert self.server is not None
+        doc: dict[str, Any] = httpx.get(f"{self.server.url}/status", timeout=10.0, trust_env=False).json()
+        return doc
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Wait until no model is starting; ``RuntimeError`` naming a model that failed to start."""
+        assert self.server is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {m["name"]: m["state"] for m in self.status()["models"]}
+            bad = {n: s for n, s in states.items() if s in ("failed", "stopped")}
+            if bad:
+                raise RuntimeError(
+                    f"elastic-kv serve: models did not start: {bad}; see {self.server.log_path}"
+                )
+            if "starting" not in states.values():
+                logger.info("sleep: model states after start-up: %s", states)
+                return
+            if time.monotonic() > deadline or not self.server.alive():
+                raise RuntimeError(
+                    f"elastic-kv serve: models still starting: {states}; see {self.server.log_path}"
+                )
+            time.sleep(1.0)
 
     @property
     def endpoints(self) -> dict[str, str]:
@@ -306,11 +356,20 @@ class SleepSetup:
         return dict.fromkeys(self.plan.names, self.server.url)
 
     def sampler(self, period_s: float) -> RegistrySampler:
-        return RegistrySampler(self.registry, self.pools, period_s)
+        def states() -> dict[str, str]:
+            return {m["name"]: m["state"] for m in self.status()["models"]}
+
+        return RegistrySampler(self.registry, self.pools, period_s, states)
 
     def info(self) -> dict[str, Any]:
         ready = None if self.server is None else round(self.server.ready_s or 0.0, 1)
-        return {"describe": self.describe, "config": self.config_path.name, "ready_s": ready}
+        info: dict[str, Any] = {"describe": self.describe, "config": self.config_path.name, "ready_s": ready}
+        if self.server is not None and self.server.alive():
+            try:
+                info["final_status"] = self.status()  # wakes, wake p50/p99, sleep mode per model
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.warning("sleep: no final /status: %s", exc)
+        return info
 
     def stop(self) -> None:
         if self.server is not None:
