@@ -1,0 +1,192 @@
+"""What a replay means: SLO attainment, goodput, latency percentiles; the markdown report and the plots.
+
+Definitions (stated in every report):
+
+* a request *attains* the SLO when it completed with every token asked for, its TTFT is at most the TTFT
+  target and its TPOT at most the TPOT target; attainment = attaining requests / all requests of the trace
+  (failed and unserved requests count against it);
+* goodput = attaining requests per second of the trace's span (bursts x burst size / load), and their
+  output tokens per second;
+* TTFT and TPOT percentiles are over the requests that completed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Slo", "plot_memory", "render_markdown", "summarize"]
+
+SETUP_TITLES = {
+    "static": "static (native, fixed shares)",
+    "elastic": "elastic (all awake, one budget)",
+    "sleep": "elastic + sleep (elastic-kv serve)",
+}
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request targets, in seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def describe(self) -> str:
+        return f"TTFT <= {self.ttft_s:g} s and TPOT <= {self.tpot_s * 1000:g} ms"
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def summarize(outcomes: Sequence[Mapping[str, Any]], slo: Slo, span_s: float) -> dict[str, Any]:
+    """The metrics of one replay from its per-request outcomes (``client.Outcome.as_dict`` rows)."""
+    done = [o for o in outcomes if o["ok"]]
+    good = [o for o in done if o["ttft_s"] <= slo.ttft_s and o["tpot_s"] <= slo.tpot_s]
+    ttft = [o["ttft_s"] for o in done]
+    tpot = [o["tpot_s"] for o in done]
+    errors = Counter(str(o["error"]).split(":")[0] for o in outcomes if not o["ok"])
+    served = sorted({o["model"] for o in outcomes if o["error"] != "not served"})
+    makespan = max((o["arrival_s"] + o["latency_s"] for o in done), default=0.0)
+    n = len(outcomes)
+
+    def r(x: float | None, digits: int = 4) -> float | None:
+        return None if x is None else round(x, digits)
+
+    return {
+        "requests": n,
+        "completed": len(done),
+        "failed": n - len(done),
+        "errors": dict(errors.most_common()),
+        "models_served": len(served),
+        "served": served,
+        "slo_attainment": r(len(good) / n if n else 0.0),
+        "goodput_rps": r(len(good) / span_s if span_s > 0 else 0.0),
+        "goodput_tok_s": r(sum(o["output_tokens"] for o in good) / span_s if span_s > 0 else 0.0, 1),
+        "throughput_tok_s": r(sum(o["output_tokens"] for o in done) / makespan if makespan else 0.0, 1),
+        "makespan_s": r(makespan, 2),
+        "ttft_p50_s": r(_pct(ttft, 50)),
+        "ttft_p99_s": r(_pct(ttft, 99)),
+        "tpot_p50_s": r(_pct(tpot, 50), 5),
+        "tpot_p99_s": r(_pct(tpot, 99), 5),
+    }
+
+
+def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """The report: trace and SLO, each set-up, one table per load and the attainment curve."""
+    lines = [f"# Multi-model benchmark ({results['device']})", ""]
+    lines += [f"* trace: {results['trace']}", f"* SLO: {results['slo']}"]
+    lines += [f"* {k}: {v}" for k, v in results.get("notes", {}).items()]
+    setups: dict[str, Any] = results["setups"]
+    for name, setup in setups.items():
+        lines.append(f"* **{SETUP_TITLES.get(name, name)}**: {setup.get('describe', '')}")
+        if setup.get("skipped"):
+            lines.append(f"  skipped: {setup['skipped']}")
+    loads = sorted({float(x) for s in setups.values() for x in s.get("loads", {})})
+    lines += ["", "## Per load", ""]
+    for load in loads:
+        lines += [f"### load {load:g} requests/s", ""]
+        lines.append(
+            "| set-up | SLO attainment | goodput req/s | goodput tok/s | TTFT p50 / p99 s | "
+            "TPOT p50 / p99 ms | failed | models served | peak KV GiB |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for name, setup in setups.items():
+            run = setup.get("loads", {}).get(f"{load:g}")
+            if run is None:
+                continue
+            m = run["metrics"]
+            lines.append(
+                f"| {name} | {_fmt(m['slo_attainment'], 100, 1)} % | {_fmt(m['goodput_rps'], 1, 3)} | "
+                f"{_fmt(m['goodput_tok_s'], 1, 0)} | {_fmt(m['ttft_p50_s'])} / {_fmt(m['ttft_p99_s'])} | "
+                f"{_fmt(m['tpot_p50_s'], 1000, 1)} / {_fmt(m['tpot_p99_s'], 1000, 1)} | "
+                f"{m['failed']} of {m['requests']} | {m['models_served']} of {results['models']} | "
+                f"{_fmt(run.get('peak_kv_bytes', 0), 2**-30, 3)} |"
+            )
+        lines.append("")
+    names = list(setups)
+    lines += ["## SLO attainment by load", "", "| load req/s | " + " | ".join(names) + " |"]
+    lines.append("|---" * (len(names) + 1) + "|")
+    for load in loads:
+        cells = []
+        for name in names:
+            run = setups[name].get("loads", {}).get(f"{load:g}")
+            cells.append("-" if run is None else f"{run['metrics']['slo_attainment'] * 100:.1f} %")
+        lines.append(f"| {load:g} | " + " | ".join(cells) + " |")
+    plots = results.get("plots", [])
+    if plots:
+        lines += ["", "KV memory per model over time: " + ", ".join(f"`{p}`" for p in plots)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
+    """One PNG per load (``kv_memory_load<L>.png``): KV bytes per model over time, one panel per set-up,
+    the device budget dashed, burst starts marked on the time axis. Returns the file names ([] without
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    setups = {k: v for k, v in results["setups"].items() if v.get("loads")}
+    loads = sorted({float(x) for s in setups.values() for x in s["loads"]})
+    names: list[str] = results["model_names"]
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(names)}
+    peak = max(
+        (
+            sum(x["kv"].values())
+            for s in setups.values()
+            for r in s["loads"].values()
+            for x in r.get("memory", [])
+        ),
+        default=0,
+    )
+    peak = max([peak, *(r.get("budget_bytes", 0) for s in setups.values() for r in s["loads"].values())])
+    unit, scale = ("GiB", 2**-30) if peak >= 2**30 else ("MiB", 2**-20)
+    files = []
+    for load in loads:
+        key = f"{load:g}"
+        panels = [(n, s["loads"][key]) for n, s in setups.items() if key in s["loads"]]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), sharex=True, squeeze=False)
+        for ax, (setup, run) in zip(axes[:, 0], panels, strict=True):
+            samples = run.get("memory", [])
+            t = [s["t"] for s in samples]
+            stacks = [[s["kv"].get(model, 0) * scale for s in samples] for model in names]
+            if t:
+                ax.stackplot(
+                    t, stacks, labels=names, colors=[colors[m] for m in names], step="post", alpha=0.85
+                )
+            if run.get("budget_bytes"):
+                ax.axhline(run["budget_bytes"] * scale, color="black", ls="--", lw=0.8, label="budget")
+            for start, model in zip(run["burst_starts_s"], run["burst_models"], strict=True):
+                ax.plot(
+                    [start], [0], marker="^", color=colors[names[model]], ms=7, clip_on=False, mec="black"
+                )
+            m = run["metrics"]
+            title = SETUP_TITLES.get(setup, setup)
+            ax.set_title(f"{title}: SLO attainment {m['slo_attainment'] * 100:.1f} %", fontsize=10)
+            ax.set_ylabel(f"KV {unit} (stacked)")
+            ax.set_ylim(0, peak * scale * 1.08 if peak else 1)
+            ax.grid(alpha=0.3)
+        axes[0, 0].legend(loc="upper right", fontsize=7, ncol=min(4, len(names) + 1))
+        axes[-1, 0].set_xlabel(f"seconds (load {load:g} requests/s; triangles: burst starts, by model)")
+        fig.tight_layout()
+        name = f"kv_memory_load{key}.png"
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files

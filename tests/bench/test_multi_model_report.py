@@ -1,0 +1,95 @@
+"""The multi-model benchmark's metrics and command line, without engines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.multimodel.report import Slo, render_markdown, summarize
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_model.py"
+
+
+def _row(i: int, model: str, ttft: float | None, tpot: float | None, error: str = "") -> dict[str, object]:
+    ok = not error
+    return {
+        "id": i,
+        "model": model,
+        "arrival_s": float(i),
+        "prompt_tokens": 10,
+        "output_tokens": 100,
+        "ok": ok,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "latency_s": None if not ok else (ttft or 0.0) + 99 * (tpot or 0.0),
+        "completion_tokens": 100 if ok else 0,
+        "error": error,
+    }
+
+
+def test_attainment_goodput_and_percentiles() -> None:
+    rows = [
+        _row(0, "a", 0.5, 0.02),  # attains
+        _row(1, "a", 1.5, 0.02),  # TTFT too long
+        _row(2, "b", 0.5, 0.06),  # TPOT too long
+        _row(3, "b", 1.0, 0.05),  # both exactly at the targets: attains
+        _row(4, "b", None, None, "HTTP 503: engine restarting"),
+        _row(5, "c", None, None, "not served"),
+    ]
+    m = summarize(rows, Slo(ttft_s=1.0, tpot_s=0.05), span_s=4.0)
+    assert m["requests"] == 6 and m["completed"] == 4 and m["failed"] == 2
+    assert m["slo_attainment"] == pytest.approx(2 / 6, abs=1e-4)
+    assert m["goodput_rps"] == pytest.approx(0.5) and m["goodput_tok_s"] == pytest.approx(50.0)
+    assert m["errors"] == {"HTTP 503": 1, "not served": 1}
+    assert m["served"] == ["a", "b"] and m["models_served"] == 2
+    assert m["ttft_p50_s"] == 0.5 and m["ttft_p99_s"] == 1.5
+    assert m["tpot_p50_s"] == 0.02 and m["tpot_p99_s"] == 0.06
+    assert m["makespan_s"] == pytest.approx(3 + 1.0 + 99 * 0.05, abs=0.01)
+
+
+def test_no_completed_request_gives_zero_attainment_and_no_percentiles() -> None:
+    m = summarize([_row(0, "a", None, None, "timeout after 5 s")], Slo(1.0, 0.1), span_s=1.0)
+    assert m["slo_attainment"] == 0.0 and m["ttft_p50_s"] is None and m["throughput_tok_s"] == 0.0
+
+
+def test_markdown_states_slo_and_curve() -> None:
+    metrics = summarize([_row(0, "m0", 0.1, 0.01)], Slo(1.0, 0.05), span_s=1.0)
+    results = {
+        "device": "cpu",
+        "models": 2,
+        "model_names": ["m0", "m1"],
+        "trace": "a trace",
+        "slo": Slo(1.0, 0.05).describe(),
+        "setups": {
+            "static": {"describe": "2 engines", "loads": {"1": {"metrics": metrics, "peak_kv_bytes": 2**20}}},
+            "sleep": {"skipped": "elastic-kv serve is not installed"},
+        },
+    }
+    text = render_markdown(results)
+    assert "TTFT <= 1 s and TPOT <= 50 ms" in text
+    assert "| static | 100.0 % |" in text and "1 of 2" in text
+    assert "## SLO attainment by load" in text and "| 1 | 100.0 % | - |" in text
+    assert "skipped: elastic-kv serve is not installed" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--setups", "static,bogus"], "--setups: unknown set-up 'bogus'"),
+        (["--loads", "1,-2"], "loads must be > 0"),
+        (["--prompt", "10:x"], "expected LO:HI tokens"),
+    ],
+)
+def test_bad_arguments_stop_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr.strip().splitlines()[-1]
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
