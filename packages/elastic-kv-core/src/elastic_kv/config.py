@@ -111,8 +111,9 @@ class ElasticConfig:
         """Build a config from ``ELASTIC_KV_*`` variables of ``environ`` (pass ``os.environ`` explicitly).
 
         ``overrides`` (field names) win over the environment. A variable that cannot be parsed, or whose
-        value the checks of the fields refuse, raises :class:`ConfigError` naming it and its value; an unknown ``ELASTIC_KV_*`` variable is logged as a warning (a typo
-        must not pass silently, but other elastic-kv components may add variables of their own).
+        value the checks of the fields refuse, raises :class:`ConfigError` naming it and its value; an
+        unknown ``ELASTIC_KV_*`` variable is logged as a warning (a typo must not pass silently, but other
+        elastic-kv components may add variables of their own).
         """
         parsers: dict[str, tuple[str, Any]] = {
             "PAGE_SIZE": ("page_size", parse_size),
