@@ -46,11 +46,14 @@ class BufferSpec:
 
 
 def _device_name(dev: torch.device) -> str:
-    """The registry's name for ``dev``: pools on one device share its budget."""
+    """The registry's name for ``dev`` (:func:`elastic_kv.device.device_key`: ``cpu``, or the GPU's UUID),
+    the same name a vLLM engine or another SGLang rank on that device uses, so they share its budget."""
+    from elastic_kv.device import device_key
+
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return f"cuda:{index}"
-    return dev.type
+        return device_key("hip" if torch.version.hip else "cuda", index)
+    return device_key("cpu")
 
 
 def _backend_for(dev: torch.device) -> Any:
