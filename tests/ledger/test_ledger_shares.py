@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 from elastic_kv.config import ElasticConfig
-from elastic_kv.device import HOST_DEVICE, device_key, device_total_bytes
+from elastic_kv.device import (
+    HOST_DEVICE,
+    default_min_free_bytes,
+    device_free_bytes,
+    device_key,
+    device_total_bytes,
+)
 from elastic_kv.registry import DeviceShare, create_shares
 from elastic_kv.registry_view import Registry
 
@@ -33,6 +39,14 @@ def test_host_device_has_one_fixed_key_and_its_memory_size() -> None:
         device_key("tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
         device_key("cuda", -1)
+
+
+def test_headroom_default_and_free_memory() -> None:
+    assert default_min_free_bytes(80 << 30) == 1 << 30  # 1 GiB below 100 GiB
+    assert default_min_free_bytes(141 << 30) == (141 << 30) // 100  # 1% above
+    free = device_free_bytes("cpu")
+    assert free is not None and 0 < free <= device_total_bytes("cpu")
+    assert device_free_bytes("cuda:0") is None  # a fallback name is no UUID: unknown, not a guess
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="a CUDA driver is present")

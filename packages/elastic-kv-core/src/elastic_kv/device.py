@@ -17,6 +17,19 @@ pool still works, but it shares a budget only with pools that fell back the same
 
 :func:`device_total_bytes` reports the device's memory size the same way (host: physical RAM), so that
 every pool records it and ``kvctl`` percentages work whichever engine started first.
+:func:`device_free_bytes` reads a device's free memory by its key (NVML for a CUDA GPU, also without a
+context: what every process on the GPU left free; the host's available memory for ``cpu``), for a ledger
+that runs where no device context exists (vLLM's scheduler) and must still keep ``min_free_bytes`` free.
+
+Headroom. :func:`default_min_free_bytes` is the ``ELASTIC_KV_MIN_FREE`` the plugins use on GPUs when the
+user sets none: KV growth stops while the device has less than that free, so that what the engines
+allocate *outside* their KV cache during a burst -- activations and sampler buffers beyond what start-up
+profiling kept cached, cuBLAS/attention workspaces, a CUDA graph replay's pool, NCCL buffers -- finds
+memory instead of failing. It is ``max(1 GiB, 1% of the device)``: for an 8B model at 8192 batched tokens
+the largest transient tensors (the MLP's 8192 x 14336 bf16 intermediate, the logits of 256 sequences over
+a 128k vocabulary in fp32) are about 0.25 GiB each, and two engines bursting together must both fit. It
+is an estimate until measured; ``ci/gpu_headroom.py`` measures what a vLLM engine allocates beyond its KV
+during a burst on the GPU machine.
 """
 
 from __future__ import annotations
@@ -27,7 +40,14 @@ import logging
 import os
 from typing import Literal
 
-__all__ = ["HOST_DEVICE", "DeviceKind", "device_key", "device_total_bytes"]
+__all__ = [
+    "HOST_DEVICE",
+    "DeviceKind",
+    "default_min_free_bytes",
+    "device_free_bytes",
+    "device_key",
+    "device_total_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -120,3 +140,52 @@ def device_total_bytes(kind: DeviceKind, index: int = 0) -> int:
         return _driver(kind).total_bytes(index)
     except (OSError, AttributeError):
         return 0
+
+
+def default_min_free_bytes(total_bytes: int) -> int:
+    """The headroom kept free on a GPU of ``total_bytes`` when the user sets no ``ELASTIC_KV_MIN_FREE``
+    (see the module docstring): ``max(1 GiB, 1% of the device)``."""
+    return max(1 << 30, total_bytes // 100)
+
+
+class _Nvml:
+    """NVML's free-memory reading of a GPU by UUID (no CUDA context)."""
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    def __init__(self) -> None:
+        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self._lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        self._handles: dict[str, ctypes.c_void_p] = {}
+
+    def free(self, key: str) -> int:
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = ctypes.c_void_p()
+            if self._lib.nvmlDeviceGetHandleByUUID(key.encode(), ctypes.byref(handle)) != 0:
+                raise OSError(f"NVML does not know {key}")
+            self._handles[key] = handle
+        memory = self._Memory()
+        if self._lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+            raise OSError(f"nvmlDeviceGetMemoryInfo({key}) failed")
+        return int(memory.free)
+
+
+@functools.cache
+def _nvml() -> _Nvml:
+    return _Nvml()
+
+
+def device_free_bytes(key: str) -> int | None:
+    """Free memory of the device named ``key`` (:func:`device_key`) now; ``None`` if it cannot be read
+    (not a CUDA GPU UUID, no NVML). A few tens of microseconds: call it at most once per engine step."""
+    if key == HOST_DEVICE:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if not key.startswith("GPU-"):
+        return None
+    try:
+        return _nvml().free(key)
+    except (OSError, AttributeError):
+        return None

@@ -33,12 +33,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
-from elastic_kv.device import DeviceKind, device_key, device_total_bytes
+from elastic_kv.device import (
+    DeviceKind,
+    default_min_free_bytes,
+    device_free_bytes,
+    device_key,
+    device_total_bytes,
+)
 from elastic_kv.ledger import KVCacheManager as Ledger
 from elastic_kv.ranks import Coordinator, CoordinatorMapper, InProcessTransport, SocketTransport, Transport
-from elastic_kv.registry import create_shares
+from elastic_kv.registry import DeviceShare, create_shares
 
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
@@ -76,6 +83,22 @@ def rank_devices(vllm_config: Any) -> tuple[list[str], dict[str, int]]:
     world = vllm_config.parallel_config.world_size
     keys = [device_key(kind, rank) for rank in range(world)]
     return keys, {key: device_total_bytes(kind, rank) for rank, key in enumerate(keys)}
+
+
+def _free_per_rank(shares: list[DeviceShare], min_free: int) -> Callable[[], int]:
+    """The ledger's ``physical_free`` for ranks on GPUs this process has no context on: NVML's free memory
+    of every device, as one rank's bytes (the ledger keeps ``min_free`` free on each device)."""
+
+    def free() -> int:
+        rooms = []
+        for share in shares:
+            device_free = device_free_bytes(share.record.device)
+            if device_free is not None:
+                rooms.append(max(0, device_free - min_free) // share.ranks)
+        # The ledger subtracts min_free from what this returns: add it back to the per-rank room.
+        return min(rooms) + min_free if rooms else 1 << 62
+
+    return free
 
 
 def _transport(instance: str, world: int) -> Transport:
@@ -156,11 +179,16 @@ class SchedulerPool:
         self.reserve_min_pages = reserve_min_pages(
             plugin, vllm_config, kv_cache_config, self.geometry, gpu=gpu
         )
+        devices, totals = rank_devices(vllm_config)
+        min_free = plugin.elastic.min_free_bytes
+        if gpu and "min_free_bytes" not in plugin.chosen:
+            min_free = max((default_min_free_bytes(t) for t in totals.values()), default=0)
         cfg = dataclasses.replace(
             plugin.elastic,
             defer_release=True,
             page_size=self.geometry.page_size,
             reserve_min_pages=self.reserve_min_pages,
+            min_free_bytes=min_free,
         )
         world = vllm_config.parallel_config.world_size
         self.transport = _transport(plugin.instance, world)
@@ -170,7 +198,6 @@ class SchedulerPool:
                 f"workers serve {self.coordinator.num_pages} pages, the scheduler planned "
                 f"{self.geometry.num_pages}"
             )
-        devices, totals = rank_devices(vllm_config)
         self.shares = create_shares(
             cfg.pool_name or pool_name(vllm_config),
             devices,
@@ -183,7 +210,14 @@ class SchedulerPool:
         )
         self.record = self.shares[0].record
         self.mapper = CoordinatorMapper(self.coordinator)
-        self.ledger = Ledger(self.geometry, self.mapper, cfg, shares=self.shares, name=self.record.name)
+        self.ledger = Ledger(
+            self.geometry,
+            self.mapper,
+            cfg,
+            shares=self.shares,
+            name=self.record.name,
+            physical_free=_free_per_rank(self.shares, cfg.min_free_bytes) if gpu else None,
+        )
         pool.attach(self.ledger)
         self.ledger.publish()  # kvctl shows the pool before its first step
         self.block_pool = pool
