@@ -75,10 +75,21 @@ def test_greedy_outputs_equal_native(llm: Any, reference: dict[str, list[list[in
     assert generate(llm) == reference["on"]
 
 
+def snap_page_bytes(registry_dir: Path) -> int:
+    return int(pool_snapshot(registry_dir, POOL).page_bytes)
+
+
+def _unaccounted(llm: Any) -> int:
+    """Bytes the worker's backend holds beyond the pages mapped (and charged): its zero pages."""
+    (info,) = llm.collective_rpc("elastic_kv_info")
+    return int(info["live_bytes"] - info["mapped_bytes"])
+
+
 def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> None:
     idle = _idle_bound(registry_dir)
     assert wait_for(lambda: _mapped(registry_dir) <= idle)
     rss_idle = rss_shmem_bytes(worker_pid)
+    overhead = _unaccounted(llm)
     burst = [[(i * 131 + j * 7) % 997 + 3 for j in range(400)] for i in range(32)]  # ~130 blocks
     with (
         sampling(lambda: _mapped(registry_dir)) as mapped,
@@ -93,6 +104,9 @@ def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> N
     # next burst (sleep releases them: test_sleep_releases_and_wake_up_restores).
     assert wait_for(lambda: _mapped(registry_dir) == idle), f"{_mapped(registry_dir)} B backed, not {idle}"
     assert wait_for(lambda: rss_shmem_bytes(worker_pid) <= rss_idle + idle)
+    # No unmapped page keeps its memory in a handle cache: the worker holds exactly what the pool is
+    # charged for, plus the same zero pages as before the burst.
+    assert _unaccounted(llm) == overhead <= 4 * snap_page_bytes(registry_dir)
 
 
 def test_lower_limit_preempts_instead_of_failing(

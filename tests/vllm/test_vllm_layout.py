@@ -281,6 +281,8 @@ def test_chosen_names_the_settings_the_user_set() -> None:
     options = {"elastic_kv": {"page_size": "4M", "reserve_min_pages": 2}}
     assert PluginConfig.resolve(options, {}).chosen == {"page_size", "reserve_min_pages"}
     assert PluginConfig.resolve({}, {"ELASTIC_KV_LIMIT": "1G"}).chosen == set()
+    # The headroom kept free on GPUs is sized to the device unless the user sets it.
+    assert PluginConfig.resolve({}, {"ELASTIC_KV_MIN_FREE": "0"}).chosen == {"min_free_bytes"}
 
 
 def test_gpu_minimum_reserve_covers_one_scheduler_step() -> None:

@@ -2,13 +2,17 @@
 
     kvctl list [--json]                 every pool and device budget
     kvctl limit POOL SIZE|PCT|unlimited a pool's physical limit (PCT of its device's budget, else its size)
-    kvctl budget DEVICE [SIZE|PCT|unlimited]   show or set a device's GPU-wide budget (PCT of its size)
+    kvctl budget DEVICE [SIZE|PCT|unlimited] [--create]
+                                        show or set a device's GPU-wide budget (PCT of its size); a device
+                                        no pool has used yet needs --create (a misspelt name is refused)
     kvctl trim POOL                     ask a pool to return its mapped reserve now
     kvctl watch [-n SEC] [--count N]    print the list every SEC seconds
     kvctl top [-n SEC] [--count N]      live table
     kvctl metrics [--port N]            Prometheus exposition once, or served on a port
 
 Sizes: 512M, 2GiB, 1.5G, 4096 (units are binary: 1G = 1GB = 1GiB), or a percentage such as 25%.
+A negative size (``-5G``) is read as a size, not as an option, and refused as negative. Devices are named
+as ``kvctl list`` shows them: ``cpu`` for the host backend, the GPU's UUID (``GPU-...``) for a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_kv.errors import ConfigError
+from elastic_kv.registry_fs import check_device_name
 from elastic_kv.registry_layout import UNLIMITED
 from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry, UnknownDeviceError, UnknownPoolError
 from elastic_kv.sizes import Percent, format_bytes, parse_amount
@@ -35,6 +41,9 @@ EXIT_UNKNOWN = 3  # no such pool or device
 EXIT_REGISTRY = 4  # the registry directory or a file in it cannot be used (ConfigError)
 
 _UNLIMITED_WORDS = ("unlimited", "none")
+# What argparse must take for a (negative) positional value rather than an option: '-5G', '-1.5', '-.5M'.
+# argparse's own matcher accepts only bare numbers ('-5'), so '-5G' would be an unknown option.
+_NEGATIVE_SIZE = re.compile(r"^-(\d+(\.\d*)?|\.\d+)\s*[A-Za-z%]*$")
 
 
 class _UsageError(Exception):
@@ -166,7 +175,14 @@ def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> in
     if args.size is None:
         device = registry.device(args.device)
     else:
+        check_device_name(args.device)
         known = {d.device: d for d in registry.devices()}
+        if args.device not in known and not args.create:
+            names = ", ".join(known) or "none"
+            raise UnknownDeviceError(
+                f"no pool has used device {args.device!r} (known devices: {names}); check the name with "
+                "'kvctl list', or add --create to set a budget before the device's first pool starts"
+            )
 
         def base() -> tuple[int, str]:
             total = known[args.device].total_bytes if args.device in known else 0
@@ -255,8 +271,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_limit)
 
     p = sub.add_parser("budget", help="show or set a device's GPU-wide budget")
-    p.add_argument("device", help="device name as the pools report it, e.g. cuda:0")
+    p.add_argument("device", help="device name as 'kvctl list' shows it: cpu, or a GPU's UUID (GPU-...)")
     p.add_argument("size", nargs="?", metavar="SIZE|PCT|unlimited", help="e.g. 60GiB, 90%% (of the device)")
+    p.add_argument(
+        "--create",
+        action="store_true",
+        help="set the budget of a device no pool has used yet (without it, an unknown name is refused)",
+    )
     p.set_defaults(run=_cmd_budget)
 
     p = sub.add_parser("trim", help="ask a pool to return its mapped reserve now")
@@ -278,6 +299,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
     p.add_argument("--addr", default="127.0.0.1", help="address to bind with --port (default: 127.0.0.1)")
     p.set_defaults(run=_cmd_metrics)
+    for subparser in sub.choices.values():
+        subparser._negative_number_matcher = _NEGATIVE_SIZE
     return parser
 
 

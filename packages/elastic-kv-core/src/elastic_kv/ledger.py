@@ -58,7 +58,7 @@ from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
 if TYPE_CHECKING:
-    from elastic_kv.registry import PoolRecord
+    from elastic_kv.registry import DeviceShare, PoolRecord
 
 __all__ = ["KVCacheManager"]
 
@@ -75,6 +75,9 @@ class KVCacheManager(PageBacking):
             in the background.
         config: reserve watermarks, deferred release, limit, ...
         record: the pool's shared record (limit, GPU-wide budget, statistics); ``None`` = no sharing.
+        shares: instead of ``record``, one record per device for a pool whose ranks back each page on
+            several devices, or several ranks on one (:func:`elastic_kv.registry.create_shares`); the
+            ledger counts one rank's bytes, each record is charged for the ranks on its device.
         name: the pool's name in snapshots.
         null_block: a block id reserved at start-up and backed for the pool's lifetime (vLLM: block 0;
             SGLang: slot/page 0, the padding target); ``None`` for none.
@@ -97,9 +100,13 @@ class KVCacheManager(PageBacking):
         null_block: int | None = 0,
         physical_free: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shares: Sequence[DeviceShare] = (),
     ) -> None:
         cfg = config or ElasticConfig()
-        super().__init__(geometry, mapper, PhysicalAccount(cfg, record, physical_free, clock), name)
+        if shares and record is not None:
+            raise ValueError("pass either record or shares, not both")
+        phys = PhysicalAccount(cfg, record, physical_free, clock, shares)
+        super().__init__(geometry, mapper, phys, name)
         nb, bpp = self._nb, self._bpp
         self._cfg = cfg
         self._epoch = 0
@@ -546,6 +553,12 @@ class KVCacheManager(PageBacking):
     def snapshot(self) -> PoolSnapshot:
         """The pool's statistics now."""
         return self._snapshot()
+
+    def publish(self) -> None:
+        """Publish the pool's statistics to its records now (``kvctl``), outside :meth:`maintain`'s
+        schedule; nothing without a record. Any thread, like :meth:`snapshot`."""
+        if self._phys.shares:
+            self._phys.publish_now(self._snapshot())
 
     def _snapshot(self) -> PoolSnapshot:
         if self._closed:

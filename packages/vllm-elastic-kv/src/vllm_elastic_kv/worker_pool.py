@@ -256,9 +256,10 @@ class WorkerPool:
         )
         check_plan(self.planned, observed)
         self.geometry = observed
-        self.handle_pool = _vmm.HandlePool(
-            self.backend, observed.page_bytes * max(1, self.plugin.elastic.reserve_min_pages)
-        )
+        # No handle cache: an unmapped page's memory goes back to the driver at once, so what the rank holds
+        # is what the pool is charged for (plus the zero page the spaces show where nothing is mapped). The
+        # ledger's mapped reserve already spares most map/unmap cycles.
+        self.handle_pool = _vmm.HandlePool(self.backend, 0)
         self.group = _vmm.SpaceGroup(spaces, observed.extent_tuples(), observed.num_pages, self.handle_pool)
         target: Any = self.group
         if self._zero_on_map:
