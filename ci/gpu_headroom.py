@@ -8,7 +8,7 @@ holds outside its KV cache: weights, activations, workspaces, graph pools. The s
 line, that difference when idle before the burst, its peak during the burst, and the growth (peak - idle):
 the memory a burst needs beyond its KV. Nothing else may run on the GPU meanwhile.
 
-    python ci/gpu_headroom.py --model /models/Llama-3.1-8B-Instruct [--requests 256 --prompt 1024]
+    python ci/gpu_headroom.py --model DIR [--load-format dummy] [--requests 256 --prompt 1024]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--output", type=int, default=128, help="generated tokens per request")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (a config-only folder)")
     args = parser.parse_args()
 
     registry_dir = tempfile.mkdtemp(prefix="ekv-headroom-")
@@ -52,6 +53,7 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
         additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": "headroom"}},
     )
     registry = Registry(registry_dir)
