@@ -40,7 +40,7 @@ export PYTHONPATH="$root/packages/vllm-elastic-kv/src:$root/packages/sglang-elas
 # group | tests that must pass on an H200 machine | prerequisites (cuda, vllm, sglang, gpus2) | time limit (s) | tests
 groups=(
     "dataplane|68|cuda|900|tests/dataplane"     # 3 more skip on CUDA by design: budget tests of the host backend
-    "ledger|1|cuda|600|tests/ledger/test_ledger_gpu.py"
+    "ledger|2|cuda|600|tests/ledger/test_ledger_gpu.py"
     "vllm-zeroing|5|cuda|600|tests/vllm/test_vllm_zeroing_gpu.py"
     "vllm-engine|1|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
     "ranks|4|cuda,gpus2|600|tests/ranks/test_ranks_gpu.py"

@@ -797,6 +797,11 @@ def main() -> None:
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
     parser.add_argument(
+        "--no-speed-goal",
+        action="store_true",
+        help="report the throughput ratio without checking it (a correctness run: small bursts are noise)",
+    )
+    parser.add_argument(
         "--gpu-times",
         action="store_true",
         help="time each burst step on the GPU (CUDA events): decode and prefill spans and the idle gaps "
@@ -902,9 +907,10 @@ def main() -> None:
     checks = {
         "greedy outputs equal": same,
         "idle footprint <= null page + minimum reserve": idle_ok,
-        "throughput ratio >= 0.99": ratio >= 0.99,
         "no driver call in steady decode": steady["steps"] > 0 and steady["driver_steps"] == 0,
     }
+    if not args.no_speed_goal:
+        checks["throughput ratio >= 0.99"] = ratio >= 0.99
     lines = [
         f"vLLM {elastic['vllm']} on {elastic['device']}",
         f"greedy outputs: {'EQUAL' if same else 'DIFFERENT'} ({len(native['tokens'])} prompts x 64 tokens)",
