@@ -122,7 +122,8 @@ class ServeProcess:
         raise TimeoutError(f"models not {states} after {timeout_s:.0f} s (now {seen}):\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 180.0) -> int:
-        """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status."""
+        """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status. After a drain the server exits by
+        the signal it got (uvicorn re-raises it once shut down): ``-SIGTERM`` is the clean answer."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
