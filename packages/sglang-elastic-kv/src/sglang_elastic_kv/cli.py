@@ -65,6 +65,7 @@ def prepare_server_args_around(original: Callable[..., Any], argv: Sequence[str]
     if backend is not None:
         os.environ[BACKEND_ENV] = backend
         if backend == "elastic":
-            seams = compat.select(compat.installed_sglang_version())  # ConfigError before any spawn
-            logger.info("elastic KV cache enabled (%s); SGLang seams %s", FLAG, seams.first)
+            version = compat.installed_sglang_version()
+            compat.require(version)  # ConfigError before any spawn
+            logger.info("elastic KV cache enabled (%s) on sglang %s", FLAG, version)
     return original(argv, *a, **k)
