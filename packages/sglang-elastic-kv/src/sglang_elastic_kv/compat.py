@@ -70,6 +70,8 @@ class Seams:
     resume_memory: str
     # Fails start-up inside the scheduler when the plugin cannot serve (a stable constructor).
     startup_guard: str
+    # The scheduler's constructor: server arguments the plugin refuses are checked before any worker.
+    scheduler_init: str
 
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
@@ -84,6 +86,7 @@ class Seams:
             self.release_memory,
             self.resume_memory,
             self.startup_guard,
+            self.scheduler_init,
         )
 
 
@@ -106,6 +109,7 @@ SEAMS: tuple[Seams, ...] = (
         release_memory=f"{_WEIGHT_UPDATER}.release_memory_occupation",
         resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
         startup_guard=f"{_POOLS}.KVCache.__init__",
+        scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
     ),
 )
 
@@ -122,7 +126,8 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.plugins.hook_registry": ("HookRegistry", "HookType"),
     "sglang.srt.plugins.hook_registry.HookType": ("BEFORE", "AFTER", "AROUND"),
     "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
-    "sglang.srt.server_args.ServerArgs": ("add_cli_args",),
+    "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
+    "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
     _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
     _CONFIGURATOR: (
         "_build_token_to_kv_pool_allocator",
