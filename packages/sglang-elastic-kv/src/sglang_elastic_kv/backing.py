@@ -79,8 +79,10 @@ class ElasticBacking:
         ledger: KVCacheManager,
         record: PoolRecord | None,
         buffers: Sequence[BufferSpec],
+        handles: Any = None,
     ) -> None:
         self.spaces = spaces
+        self.handles = handles  # the group's HandlePool: physical handles kept for reuse after unmaps
         self.geometry = geometry
         self.group = group
         self.ledger = ledger
@@ -165,7 +167,13 @@ class ElasticBacking:
             record.close()
             raise
         return cls(
-            spaces=spaces, geometry=geometry, group=group, ledger=ledger, record=record, buffers=buffers
+            spaces=spaces,
+            geometry=geometry,
+            group=group,
+            ledger=ledger,
+            record=record,
+            buffers=buffers,
+            handles=handles,
         )
 
     def view(self, space: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -182,6 +190,11 @@ class ElasticBacking:
     def snapshot(self) -> PoolSnapshot:
         """The ledger's statistics of this pool (physical bytes, used/free blocks, limit ...)."""
         return self.ledger.snapshot()
+
+    def release_cached_handles(self) -> int:
+        """Release every physical handle the data plane keeps for reuse after unmaps (to the driver on a
+        GPU, to the OS on the host); returns the bytes released. Unmapped pages hold no memory after it."""
+        return int(self.handles.trim(0)) if self.handles is not None else 0
 
     def publish(self) -> None:
         """Publish the ledger's statistics to the registry now (``kvctl``), outside its own schedule."""

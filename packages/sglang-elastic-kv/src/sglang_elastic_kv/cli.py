@@ -74,8 +74,9 @@ def prepare_server_args_around(original: Callable[..., Any], argv: Sequence[str]
         config = PluginConfig.from_env(os.environ)
         if config.enabled:
             config.pool_config()  # every ELASTIC_KV_* setting of the pool, checked before any spawn
-            seams = compat.select(compat.installed_sglang_version())
-            logger.info("elastic KV cache enabled (%s); SGLang seams %s", FLAG, seams.first)
+            version = compat.installed_sglang_version()
+            compat.require(version)  # the version and every member the plugin relies on
+            logger.info("elastic KV cache enabled (%s) on sglang %s", FLAG, version)
     except ConfigError as exc:
         print(f"sglang-elastic-kv: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_BAD_SETTING) from None
