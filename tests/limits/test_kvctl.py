@@ -121,9 +121,9 @@ def test_budget_show_set_and_effect_on_charges(
 
 def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
     llama, qwen = two_pools
-    done = kvctl("trim", "qwen")
+    done = kvctl("trim", "qwen", "--wait", "0.2")  # a worker process that never answers: no wait forever
     assert done.returncode == 0, done.stderr
-    assert "trim requested" in done.stdout
+    assert "trim requested" in done.stdout and "no answer in 0.2 s" in done.stdout
     events = qwen.send("poll")
     assert events["trim_requested"] and not events["limit_changed"]
     assert not llama.send("poll")["trim_requested"]

@@ -5,7 +5,7 @@
     kvctl budget DEVICE [SIZE|PCT|unlimited] [--create]
                                         show or set a device's GPU-wide budget (PCT of its size); a device
                                         no pool has used yet needs --create (a misspelt name is refused)
-    kvctl trim POOL                     ask a pool to return its mapped reserve now
+    kvctl trim POOL [--wait SEC]        have a pool return its mapped reserve now; print what came back
     kvctl watch [-n SEC] [--count N]    print the list every SEC seconds
     kvctl top [-n SEC] [--count N]      live table
     kvctl metrics [--port N]            Prometheus exposition once, or served on a port
@@ -204,8 +204,27 @@ def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> in
 
 
 def _cmd_trim(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    before = registry.pool(args.pool)
     pool = registry.request_trim(args.pool)
-    out.write(f"pool {pool.name}: trim requested (revision {pool.trim_revision})\n")
+    asked = time.time()
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = registry.pool(args.pool)
+        # The owner publishes a snapshot as soon as it has applied the request: its answer.
+        if now.snapshot is not None and now.snapshot.timestamp >= asked:
+            returned = max(0, before.charged_bytes - now.charged_bytes)
+            was, left = format_bytes(before.charged_bytes), format_bytes(now.charged_bytes)
+            out.write(
+                f"pool {now.name}: returned {format_bytes(returned)} (charged {was} -> {left}; reserve "
+                f"{now.snapshot.reserve_pages} page(s))\n"
+            )
+            return 0
+    waited = f"no answer in {args.wait:g} s: " if args.wait > 0 else ""
+    out.write(
+        f"pool {pool.name}: trim requested (revision {pool.trim_revision}); {waited}the engine applies it "
+        "when it is next idle or steps\n"
+    )
     return 0
 
 
@@ -280,8 +299,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_cmd_budget)
 
-    p = sub.add_parser("trim", help="ask a pool to return its mapped reserve now")
+    p = sub.add_parser("trim", help="have a pool return its mapped reserve now, and say what came back")
     p.add_argument("pool")
+    p.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the pool's answer (default 10; 0: none)"
+    )
     p.set_defaults(run=_cmd_trim)
 
     for name, run, doc in (
