@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_UNKNOWN
+from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
 from elastic_kv.registry_view import Registry
 
 from limits.helpers import PoolProcess
@@ -121,9 +121,9 @@ def test_budget_show_set_and_effect_on_charges(
 
 def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
     llama, qwen = two_pools
-    done = kvctl("trim", "qwen")
+    done = kvctl("trim", "qwen", "--wait", "0.2")  # a worker process that never answers: no wait forever
     assert done.returncode == 0, done.stderr
-    assert "trim requested" in done.stdout
+    assert "trim requested" in done.stdout and "no answer in 0.2 s" in done.stdout
     events = qwen.send("poll")
     assert events["trim_requested"] and not events["limit_changed"]
     assert not llama.send("poll")["trim_requested"]
@@ -142,6 +142,11 @@ def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, Pool
         (("budget", "cuda:0", "-.5M"), EXIT_BAD_ARGUMENT, "it is negative"),
         (("limit", "llama", "-10%"), EXIT_BAD_ARGUMENT, "invalid percentage '-10%': it is negative"),
         (("limit", "llama", "1.5"), EXIT_BAD_ARGUMENT, "whole number of bytes"),
+        (
+            ("limit", "llama", "1M"),
+            EXIT_BAD_ARGUMENT,
+            "below one page of pool llama .2.00 MiB.: .*at least 2.00 MiB",
+        ),
         (("limit", "llama", "150%"), EXIT_BAD_ARGUMENT, "at most 100%"),
         (("limit", "llama", "0"), EXIT_BAD_ARGUMENT, "'unlimited'"),
         (("limit", "qwen", "0.0000000001%"), EXIT_BAD_ARGUMENT, "0 bytes"),
@@ -161,6 +166,15 @@ def test_errors_have_clear_messages_and_exit_codes(
     assert done.returncode == code, (done.stdout, done.stderr)
     assert re.search(message, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_limit_wait_says_when_the_pool_did_not_get_under_it(
+    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    """This owner never releases: --wait gives up after its time, says so, and exits 5."""
+    done = kvctl("limit", "llama", "2G", "--wait", "0.3")
+    assert done.returncode == EXIT_TIMEOUT, (done.stdout, done.stderr)
+    assert "not applied within 0.3 s: the pool still holds 3.00 GiB (limit 2.00 GiB)" in done.stdout
 
 
 def test_percentage_limit_without_budget_or_size_is_refused(

@@ -6,12 +6,16 @@ and leaves it idle, and the order tells the story (idle -> serve -> follow load 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from elastic_kv.registry_view import Registry
+from elastic_kv.sizes import format_bytes
 from vllm_engines import (
     TEST_ENV,
     charged_bytes,
@@ -67,6 +71,23 @@ def test_idle_engine_backs_only_null_page_and_reserve(llm: Any, registry_dir: Pa
     assert snap.total_blocks == 512 and snap.used_blocks == 0
     # The host backend's pages are the worker's shared memory: nothing like the 64 MiB capacity.
     assert rss_shmem_bytes(worker_pid) < 16 << 20
+
+
+def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir: Path) -> None:
+    """No request needed: the idle engine core is woken to apply the trim, and kvctl says what came back."""
+    idle = _idle_bound(registry_dir)
+    assert wait_for(lambda: _mapped(registry_dir) == idle)  # the null block's page and the minimum reserve
+    page = pool_snapshot(registry_dir, POOL).page_bytes
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"returned {format_bytes(idle - page)}" in done.stdout, done.stdout
+    assert "reserve 0 page(s)" in done.stdout
+    assert _mapped(registry_dir) == page  # only the null block's page is left
+    assert pool_snapshot(registry_dir, POOL).reserve_pages == 0
 
 
 def test_greedy_outputs_equal_native(llm: Any, reference: dict[str, list[list[int]]]) -> None:

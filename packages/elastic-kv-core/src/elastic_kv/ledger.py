@@ -387,20 +387,24 @@ class KVCacheManager(PageBacking):
         reserve is then refilled only below what light steps take, and trimmed only above
         ``reserve_max_pages`` (:mod:`elastic_kv.reserve`).
 
-        Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim),
-        refreshes the physical headroom (driver free memory, at most every ``free_memory_ttl_s``), sizes
-        the reserve from recent growth and refills or trims it, and publishes a snapshot.
+        Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim: the
+        reserve is returned and not refilled in the same call; either is published at once, as the
+        pool's answer to ``kvctl``), refreshes the physical headroom (driver free memory, at most every
+        ``free_memory_ttl_s``), sizes the reserve from recent growth and refills or trims it, and publishes
+        a snapshot.
         """
         if get_ident() != self._owner:
             self._refuse()
         if self._inflight:
             self._take_in()
         events = self._phys.poll()
+        trimmed = False
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
                 self._apply_limit(self._phys.record_limit())
             if events.trim_requested:
                 self._trim_reserve(0)
+                trimmed = True  # returned now: not refilled by this call (the next steps' demand may)
         self._phys.refresh(force=events is not None and events.limit_changed)
         over = self._phys.over_limit()
         if not over:
@@ -412,12 +416,15 @@ class KVCacheManager(PageBacking):
         ceiling = self._cfg.reserve_max_pages if self._light else target
         if len(self._reserve) > ceiling:
             self._trim_reserve(ceiling)
-        if self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+        if not trimmed and self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
                 self._refill_async(target - len(self._reserve) - self._inflight_pages)
             else:
                 self._refill_sync(target - len(self._reserve))
-        self._phys.publish(self._snapshot)
+        if events is not None and (events.trim_requested or events.limit_changed):
+            self._phys.publish_now(self._snapshot())  # kvctl waits for the pool's answer
+        else:
+            self._phys.publish(self._snapshot)
 
     def _reserve_goal(self) -> int:
         """Pages the reserve aims at: the policy's target, or its light target after a light step."""

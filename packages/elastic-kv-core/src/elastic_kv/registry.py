@@ -390,6 +390,12 @@ class PoolRecord:
         self._seen_revisions, self._seen_budget = revisions, budget_rev
         return events
 
+    def control_revision(self) -> tuple[int, int, int]:
+        """(limit, trim, device budget) revisions now, without consuming them as :meth:`poll` does: a
+        thread other than the pool's owner may watch them to wake an idle engine (no lock, no syscall)."""
+        limit, trim = _REVISIONS.unpack_from(self._map, RecordLayout.limit_revision.offset)
+        return limit, trim, self._budget.budget_revision
+
     # -- statistics -----------------------------------------------------------------------------------
 
     def publish(self, snapshot: PoolSnapshot) -> None:

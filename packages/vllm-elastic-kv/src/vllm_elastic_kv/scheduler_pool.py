@@ -50,6 +50,7 @@ from elastic_kv.registry import DeviceShare, create_shares
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.idle import IdleControl
 from vllm_elastic_kv.layout import pool_geometry, reserve_min_pages
 from vllm_elastic_kv.worker_pool import local_rank
 
@@ -223,6 +224,7 @@ class SchedulerPool:
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
+        self.idle_control: IdleControl | None = None
         self.steps = 0  # steps dispatched
         # ... of which the scheduler thread waited for the driver since the previous one: a map, or a
         # background map it needed
@@ -297,6 +299,18 @@ class SchedulerPool:
         if wait:
             self.mapper.flush()
 
+    def apply_control_idle(self) -> None:
+        """``kvctl`` changed a record while the engine is idle (run on the scheduler's thread by
+        :class:`~vllm_elastic_kv.idle.IdleControl`): apply it now -- a trim returns the reserve, a limit
+        below what is held drops the prefix cache's pages and the reserve -- and publish the result."""
+        if not self.epochs.quiesce():
+            return  # a step is in flight: its completion and the next steps apply the change
+        self.ledger.settle()
+        if self.over_limit():
+            self.block_pool.trim_cached()
+        self.ledger.maintain()
+        self.ledger.publish()
+
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
         return self.ledger.over_limit()
@@ -306,7 +320,10 @@ class SchedulerPool:
 
         vLLM shuts the executor down before the scheduler, so the workers -- and with them every backed
         page -- are gone by now: nothing is unmapped from here."""
-        for step in (self.mapper.close, self.transport.close, *(s.record.close for s in self.shares)):
+        steps = [self.mapper.close, self.transport.close, *(s.record.close for s in self.shares)]
+        if self.idle_control is not None:
+            steps.insert(0, self.idle_control.close)
+        for step in steps:
             try:
                 step()
             except Exception:  # shutdown continues
