@@ -75,7 +75,10 @@ def clean_venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     theirs = venv / Path(ours).relative_to(sys.prefix)
     shutil.rmtree(theirs)
     # Hard links: the same engine files at no cost; removing our packages from the copy unlinks only there.
-    subprocess.run(["cp", "-al", ours, str(theirs)], check=True, timeout=600)
+    # Across file systems (a tmpfs /tmp) hard links fail, and the files are copied instead.
+    if subprocess.run(["cp", "-al", ours, str(theirs)], capture_output=True, timeout=600).returncode != 0:
+        shutil.rmtree(theirs, ignore_errors=True)
+        subprocess.run(["cp", "-a", ours, str(theirs)], check=True, timeout=1200)
     for entry in theirs.iterdir():
         if entry.name in OURS or entry.name.split("-")[0] in OURS:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
