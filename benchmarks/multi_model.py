@@ -34,11 +34,15 @@ set-up's case.
     python benchmarks/multi_model.py --device cuda --out DIR [--models 6]   # H200: dummy 8B-shape weights
     python benchmarks/multi_model.py --out DIR --report-only           # rebuild report and plots from DIR
 
-``--setups static,elastic,sleep`` picks set-ups (each writes ``DIR/<setup>.json``; a later run adds to
-the same DIR, and the report covers every set-up found there). On CUDA the elastic budget is the KV the
-static engines had (read from ``DIR/static.json``) unless ``--kv-total`` gives it. Writes
-``DIR/results.json``, ``DIR/report.md``, ``DIR/kv_memory_load<L>.png``, ``DIR/trace.json``, the sleep
-set-up's ``DIR/models.toml`` and engine logs under ``DIR/logs``.
+``--setups static,elastic,sleep`` picks set-ups and ``--loads`` the loads; each set-up's results go to
+``DIR/<setup>.json`` after every load, and a later run into the same DIR with the same trace adds its
+loads there, so a sweep can be split over several calls (the GPU machine runs one command for at most 10
+minutes: a set-up takes its engines' start-up, about a minute per 8B engine one at a time, plus per load
+its span, bursts x burst size / load, plus the last burst's decode). The report covers every set-up
+found in DIR. On CUDA the elastic budget is the KV the static engines had (``DIR/static.json``) unless
+``--kv-total`` gives it. Writes ``DIR/results.json``, ``DIR/report.md``, ``DIR/kv_memory_load<L>.png``
+(where matplotlib is installed; else ``--report-only`` draws them later), ``DIR/trace.json``, the sleep
+set-up's ``DIR/models.toml`` and engine logs under ``DIR/logs``. The GPU procedure: ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -94,7 +99,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
         "models": 3,
         "loads": "2,4,8",
-        "bursts": 4,
+        "bursts": 3,
         "burst_size": 128,
         "burst_spread": 2.0,
         "prompt": "500:1500",
@@ -140,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out, run nothing")
     p.add_argument("--models", type=int, help="N models (cpu 3, cuda 3; 6+ makes model count bind)")
     p.add_argument("--loads", type=_loads, help="mean requests/s to sweep (cpu 0.5,1,2; cuda 2,4,8)")
-    p.add_argument("--bursts", type=int, help="bursts per trace (cpu 6, cuda 4)")
+    p.add_argument("--bursts", type=int, help="bursts per trace (cpu 6, cuda 3)")
     p.add_argument("--burst-size", type=int, help="requests per burst (cpu 12, cuda 128)")
     p.add_argument("--burst-spread", type=float, help="a burst's arrivals spread over this many seconds")
     p.add_argument("--cv", type=float, default=3.0, help="CV of the gamma gaps between bursts (>= 2)")
@@ -265,7 +270,8 @@ def _spec(args: argparse.Namespace) -> TraceSpec:
 
 
 def _warm_up(endpoints: dict[str, str], names: list[str], timeout_s: float) -> None:
-    """One short completion per served model (first-request costs stay out of the measurement)."""
+    """One short completion per model of ``names`` that has an endpoint (first-request costs stay out of
+    the measurement)."""
     import httpx
 
     for name in names:
@@ -335,7 +341,9 @@ def run_setup(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec,
         setup.start()
         logger.info("%s: up in %.0f s: %s", setup.name, time.monotonic() - t0, setup.describe)
         record.update(setup.info())
-        _warm_up(setup.endpoints, plan.names, args.request_timeout)
+        # The sleep set-up warms only the models awake after its start-up: waking the others is its cost.
+        warm = setup.awake_models() if hasattr(setup, "awake_models") else plan.names
+        _warm_up(setup.endpoints, warm, args.request_timeout)
         for load in args.loads:
             span = build_trace(spec, load).span_s
             if args.time_limit and time.monotonic() - t0 + span > args.time_limit:
@@ -397,8 +405,13 @@ def build_report(args: argparse.Namespace, slo: Slo, spec: TraceSpec) -> dict[st
     return results
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every set-up's stop(): no engine is left behind
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)

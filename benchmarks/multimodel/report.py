@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic_kv.sizes import format_bytes
+
 __all__ = ["Slo", "plot_memory", "render_markdown", "summarize"]
 
 SETUP_TITLES = {
@@ -100,7 +102,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         lines += [f"### load {load:g} requests/s", ""]
         lines.append(
             "| set-up | SLO attainment | goodput req/s | goodput tok/s | TTFT p50 / p99 s | "
-            "TPOT p50 / p99 ms | failed | models served | peak KV GiB |"
+            "TPOT p50 / p99 ms | failed | models served | peak KV |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for name, setup in setups.items():
@@ -113,7 +115,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 f"{_fmt(m['goodput_tok_s'], 1, 0)} | {_fmt(m['ttft_p50_s'])} / {_fmt(m['ttft_p99_s'])} | "
                 f"{_fmt(m['tpot_p50_s'], 1000, 1)} / {_fmt(m['tpot_p99_s'], 1000, 1)} | "
                 f"{m['failed']} of {m['requests']} | {m['models_served']} of {results['models']} | "
-                f"{_fmt(run.get('peak_kv_bytes', 0), 2**-30, 3)} |"
+                f"{format_bytes(int(run.get('peak_kv_bytes', 0)))} |"
             )
         lines.append("")
     names = list(setups)
@@ -131,9 +133,21 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mark_transitions(ax: Any, samples: Sequence[Mapping[str, Any]], colors: Mapping[str, Any]) -> None:
+    """Vertical lines where a model starts waking (dotted) or falls asleep (dashed), in its colour."""
+    previous: dict[str, str] = {}
+    for sample in samples:
+        for model, state in sample.get("state", {}).items():
+            before = previous.get(model)
+            if before is not None and state != before and state in ("waking", "asleep"):
+                ax.axvline(sample["t"], color=colors[model], ls=":" if state == "waking" else "--", lw=1.0)
+            previous[model] = state
+
+
 def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
-    """One PNG per load (``kv_memory_load<L>.png``): KV bytes per model over time, one panel per set-up,
-    the device budget dashed, burst starts marked on the time axis. Returns the file names ([] without
+    """One PNG per load (``kv_memory_load<L>.png``): KV bytes per model over time (stacked), one panel per
+    set-up, the device budget dashed, burst starts marked on the time axis, and in the sleep set-up's
+    panel each model's wakes (dotted) and sleeps (dashed). Returns the file names ([] without
     matplotlib)."""
     try:
         import matplotlib
@@ -172,6 +186,7 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
                 )
             if run.get("budget_bytes"):
                 ax.axhline(run["budget_bytes"] * scale, color="black", ls="--", lw=0.8, label="budget")
+            _mark_transitions(ax, samples, colors)
             for start, model in zip(run["burst_starts_s"], run["burst_models"], strict=True):
                 ax.plot(
                     [start], [0], marker="^", color=colors[names[model]], ms=7, clip_on=False, mec="black"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from elastic_kv.sizes import format_bytes
 
 from benchmarks.multimodel.engines import ModelShape, ServerProcess, free_port, start_all, vllm_server_argv
 from benchmarks.multimodel.memory import RegistrySampler
@@ -152,17 +153,18 @@ class StaticSetup(_Engines):
             fit = min(n, max(1, plan.kv_total // (plan.max_model_len * plan.shape.kv_bytes_per_token)))
             share = plan.kv_total // fit
             args = ["--kv-cache-memory-bytes", str(share)]
-            self.describe = f"{fit} native engines, --kv-cache-memory-bytes {share} each (KV total / {fit})"
+            self.describe = f"{fit} native engine(s), --kv-cache-memory-bytes {share} each (KV total / {fit})"
         else:
             usable = plan.gpu_share * plan.gpu_total
             fit = min(n, max(1, int(usable // plan.footprint)))
             util = plan.gpu_share / fit
             args = ["--gpu-memory-utilization", f"{util:.4f}"]
             self.describe = (
-                f"{fit} native engines, --gpu-memory-utilization {util:.4f} each ({plan.gpu_share:g} / {fit})"
+                f"{fit} native engine(s), --gpu-memory-utilization {util:.4f} each "
+                f"({plan.gpu_share:g} / {fit})"
             )
         if fit < n:
-            self.describe += f"; {n - fit} models do not fit"
+            self.describe += f"; {n - fit} model(s) do not fit"
         return fit, args
 
     def start(self) -> None:
@@ -205,8 +207,8 @@ class ElasticSetup(_Engines):
         for device in devices:
             registry.set_budget(device, plan.kv_total)
         self.describe = (
-            f"{len(self.servers)} engines with --kv-cache-backend=elastic, each --kv-cache-memory-bytes "
-            f"{plan.kv_total} (virtual), one device budget of {plan.kv_total / 2**30:.3f} GiB on "
+            f"{len(self.servers)} engine(s) with --kv-cache-backend=elastic, each --kv-cache-memory-bytes "
+            f"{plan.kv_total} (virtual), one device budget of {format_bytes(plan.kv_total)} on "
             f"{', '.join(devices) or '?'}"
         )
 
@@ -313,7 +315,7 @@ class SleepSetup:
         awake = min(len(plan.names), budget // self.weights_bytes)
         self.describe = (
             f"elastic-kv serve --config {self.config_path.name}: {len(plan.names)} models, budget "
-            f"{budget / 2**30:.3f} GiB for weights ({self.weights_bytes / 2**30:.3f} GiB a model) + KV, "
+            f"{format_bytes(budget)} for weights ({format_bytes(self.weights_bytes)} a model) + KV, "
             f"at most {awake} awake, idle_sleep_s {plan.idle_sleep_s:g}"
         )
         argv = [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config_path)]
@@ -329,6 +331,10 @@ class SleepSetup:
         assert self.server is not None
         doc: dict[str, Any] = httpx.get(f"{self.server.url}/status", timeout=10.0, trust_env=False).json()
         return doc
+
+    def awake_models(self) -> list[str]:
+        """The models awake now (after start-up: those whose weights fit the budget)."""
+        return [m["name"] for m in self.status()["models"] if m["state"] == "awake"]
 
     def _wait_started(self, timeout_s: float) -> None:
         """Wait until no model is starting; ``RuntimeError`` naming a model that failed to start."""
