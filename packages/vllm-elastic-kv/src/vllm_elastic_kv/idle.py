@@ -74,11 +74,8 @@ class IdleControl:
         """A started watcher, or None (logged) when this vLLM has no idle callbacks or wake-up request."""
         from vllm.v1.engine import EngineCoreRequestType
 
-        if (
-            engine_core is None
-            or not hasattr(EngineCoreRequestType, "WAKEUP")
-            or not isinstance(getattr(engine_core, "_idle_state_callbacks", None), list)
-        ):
+        # The engine core creates its list of idle callbacks after the scheduler: it is looked up when used.
+        if engine_core is None or not hasattr(EngineCoreRequestType, "WAKEUP"):
             logger.info("elastic KV: kvctl changes apply at the engine's next step (no idle wake-up here)")
             return None
         control = cls(engine_core, records, on_idle)
@@ -95,10 +92,11 @@ class IdleControl:
                 now = self._revisions()
             except ValueError:  # a record closed: the engine is shutting down
                 return
-            if now != seen and not self._queued.is_set():
+            callbacks = getattr(self._core, "_idle_state_callbacks", None)
+            if now != seen and not self._queued.is_set() and isinstance(callbacks, list):
                 seen = now
                 self._queued.set()
-                self._core._idle_state_callbacks.append(self._run)
+                callbacks.append(self._run)
                 self._core.input_queue.put_nowait(self._wakeup)
 
     def _run(self, _engine_core: Any) -> None:
