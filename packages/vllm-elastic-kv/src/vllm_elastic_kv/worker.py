@@ -25,7 +25,7 @@ import torch
 
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.features import attention_sink_layers, check_model, describe_groups
 from vllm_elastic_kv.worker_pool import WorkerPool
 
 __all__ = ["ElasticWorkerMixin", "bound_kv_views"]
@@ -85,8 +85,17 @@ class ElasticWorkerMixin:
         return super().execute_model(*args, **kwargs)  # type: ignore[misc]
 
     def elastic_kv_info(self) -> dict[str, Any]:
-        """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``)."""
-        return self._elastic_pool.info() if self._elastic_pool is not None else {}
+        """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``), with the model's KV
+        cache groups and its attention layers with sinks."""
+        pool = self._elastic_pool
+        if pool is None:
+            return {}
+        context = self.vllm_config.compilation_config.static_forward_context
+        return {
+            **pool.info(),
+            "kv_cache_groups": describe_groups(pool.kv_cache_config),
+            "attention_sinks": attention_sink_layers(context),
+        }
 
     def shutdown(self) -> None:
         """Stop serving the pool, then vLLM's own shutdown."""
