@@ -58,8 +58,10 @@ class Family:
     ``ARCH_MODELS`` key of its tiny model; ``groups``: what ``features.describe_groups`` must say about the
     engine's KV cache groups (the proof that vLLM built the family's groups); ``block_bytes``: the bytes
     one block id addresses across every group (the ledger's block); ``sinks``: attention layers with
-    attention sinks; ``engine``: ``LLM`` arguments on top of :func:`vllm_engines.engine_kwargs`;
-    ``limit_pages``: a pool limit under which the prompts force preemptions while the largest one fits.
+    attention sinks; ``shared_layers``: layers that read another layer's KV cache; ``engine``: ``LLM``
+    arguments on top of :func:`vllm_engines.engine_kwargs`;
+    ``limit_pages``: a pool limit under which the prompts force preemptions while the largest one fits
+    (0: the family runs one sequence at a time, nothing to preempt).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Family:
     groups: str
     block_bytes: int
     sinks: int = 0
+    shared_layers: int = 0
     engine: dict[str, Any] = field(default_factory=dict)
     num_prompts: int = 12
     limit_pages: int = 0
@@ -94,6 +97,17 @@ FAMILIES: dict[str, Family] = {
             block_bytes=64 << 10,  # 128 tokens x 1 KV head x 64 x (K, V) x fp32; the groups overlay it
             engine={"enable_prefix_caching": True},
             limit_pages=24,
+        ),
+        Family(
+            "sinks",
+            "Attention sinks + sliding window, MoE",
+            "gpt-oss",
+            "gptoss",
+            groups="1 x SlidingWindowSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=64 << 10,
+            sinks=2,
+            engine={"enable_prefix_caching": True},
+            limit_pages=16,
         ),
     )
 }
@@ -252,6 +266,7 @@ class FamilyChecks:
         (info,) = llm.collective_rpc("elastic_kv_info")
         assert info["kv_cache_groups"] == self.family.groups
         assert info["attention_sinks"] == self.family.sinks
+        assert info["shared_kv_layers"] == self.family.shared_layers
 
     def test_idle_engine_backs_only_the_null_page_and_reserve(self, llm: Any, registry_dir: Path) -> None:
         assert wait_for(lambda: 0 <= self.mapped(registry_dir) <= self.idle_bytes(registry_dir))
@@ -290,6 +305,8 @@ class FamilyChecks:
     ) -> None:
         from elastic_kv.registry_view import Registry
 
+        if not self.family.limit_pages:
+            pytest.skip("the family runs one sequence at a time: a limit has nothing to preempt")
         limit = self.family.limit_pages * pool_snapshot(registry_dir, self.family.name).page_bytes
         Registry(registry_dir).set_limit(self.family.name, limit)
         try:

@@ -48,6 +48,9 @@ REFUSED: tuple[Refused, ...] = (
     Refused("Cross-layer KV sharing", "Gemma 3n/4", "cross-layer KV cache sharing"),
     Refused("MLA (multi-head latent attention)", "DeepSeek-V2/V3, Kimi K2", "MLAAttentionSpec"),
     Refused("Mamba / GDN state beside attention", "Qwen3-Next, Nemotron-H, Granite 4", "MambaSpec"),
+    Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
+    Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
+    Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),
     Refused("Speculative decoding", "ngram, EAGLE, MTP", "speculative decoding (--speculative-config)"),
 )
 
