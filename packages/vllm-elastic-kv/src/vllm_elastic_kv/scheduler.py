@@ -33,7 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.features import check_model, describe_groups
 from vllm_elastic_kv.idle import IdleControl, constructing_engine_core
 from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
 from vllm_elastic_kv.scheduler_pool import SchedulerPool
@@ -65,6 +65,7 @@ class ElasticSchedulerMixin:
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
         check_model(kv_cache_config)
+        logger.info("elastic KV cache groups: %s", describe_groups(kv_cache_config))
         with (
             compat.scoped_attribute(
                 compat.target("vllm.v1.core.sched.scheduler", "KVCacheManager"), ElasticKVCacheManager
