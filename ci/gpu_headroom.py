@@ -49,13 +49,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     pynvml.nvmlInit()
-    key = device_key("cuda", 0)
     llm = LLM(
         model=args.model,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
         additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": "headroom"}},
     )
+    # After the engine starts: device_key initialises the CUDA driver in this process, and vLLM forks its
+    # engine core when torch has not initialised CUDA, so an earlier call leaves the child without a driver.
+    key = device_key("cuda", 0)
     registry = Registry(registry_dir)
 
     def outside_kv() -> int:
