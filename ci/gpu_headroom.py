@@ -19,6 +19,7 @@ import os
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     # After the engine starts: device_key initialises the CUDA driver in this process, and vLLM forks its
     # engine core when torch has not initialised CUDA, so an earlier call leaves the child without a driver.
     key = device_key("cuda", 0)
-    registry = Registry(registry_dir)
+    registry = Registry(Path(registry_dir))
 
     def outside_kv() -> int:
         (device,) = [d for d in registry.devices(reclaim=False) if d.device == key]
