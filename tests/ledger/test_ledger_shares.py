@@ -42,8 +42,8 @@ def test_host_device_has_one_fixed_key_and_its_memory_size() -> None:
 
 
 def test_headroom_default_and_free_memory() -> None:
-    assert default_min_free_bytes(80 << 30) == 1 << 30  # 1 GiB below 100 GiB
-    assert default_min_free_bytes(141 << 30) == (141 << 30) // 100  # 1% above
+    assert default_min_free_bytes(80 << 30) == 5 << 29  # 2.5 GiB up to 125 GiB
+    assert default_min_free_bytes(141 << 30) == (141 << 30) // 50  # 2% above
     free = device_free_bytes("cpu")
     assert free is not None and 0 < free <= device_total_bytes("cpu")
     assert device_free_bytes("cuda:0") is None  # a fallback name is no UUID: unknown, not a guess

@@ -17,7 +17,7 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
     ELASTIC_KV_DEFER_RELEASE      1/0: emptied pages wait for release_through(epoch) before unmapping (0)
     ELASTIC_KV_LIMIT              physical limit of the pool, e.g. 8G; 0 = no limit of its own (0)
     ELASTIC_KV_MIN_FREE           device memory never taken by growth, e.g. 1G (0; on GPUs the engine
-                                  plugins default to max(1 GiB, 1% of the device): elastic_kv.device)
+                                  plugins default to max(2.5 GiB, 2% of the device): elastic_kv.device)
     ELASTIC_KV_FREE_MEMORY_TTL_S  seconds a driver free-memory reading stays valid (0.05)
     ELASTIC_KV_PUBLISH_INTERVAL_S seconds between two snapshots published to the shared record (0.1)
     ELASTIC_KV_REGISTRY_DIR       directory of the shared pool records (default: the registry's own)

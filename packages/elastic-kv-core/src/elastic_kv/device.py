@@ -25,11 +25,12 @@ Headroom. :func:`default_min_free_bytes` is the ``ELASTIC_KV_MIN_FREE`` the plug
 user sets none: KV growth stops while the device has less than that free, so that what the engines
 allocate *outside* their KV cache during a burst -- activations and sampler buffers beyond what start-up
 profiling kept cached, cuBLAS/attention workspaces, a CUDA graph replay's pool, NCCL buffers -- finds
-memory instead of failing. It is ``max(1 GiB, 1% of the device)``: for an 8B model at 8192 batched tokens
-the largest transient tensors (the MLP's 8192 x 14336 bf16 intermediate, the logits of 256 sequences over
-a 128k vocabulary in fp32) are about 0.25 GiB each, and two engines bursting together must both fit. It
-is an estimate until measured; ``ci/gpu_headroom.py`` measures what a vLLM engine allocates beyond its KV
-during a burst on the GPU machine.
+memory instead of failing. It is ``max(2.5 GiB, 2% of the device)`` (2.8 GiB on an H200): one vLLM engine
+of Llama-3-8B's shape (vLLM 0.26, CUDA graphs, 16384 batched tokens) allocated 2.31 GiB beyond its KV cache
+and what it held idle during a burst of 256 requests x (1,024 + 128) tokens (``ci/gpu_headroom.py``; the
+numbers and their command are in ``docs/results.md``). The default covers one engine's burst; engines
+that burst at the same time on one GPU each need their own, so a deployment of N such engines sets
+``ELASTIC_KV_MIN_FREE`` to about N x 2.5 GiB.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def device_total_bytes(kind: DeviceKind, index: int = 0) -> int:
 
 def default_min_free_bytes(total_bytes: int) -> int:
     """The headroom kept free on a GPU of ``total_bytes`` when the user sets no ``ELASTIC_KV_MIN_FREE``
-    (see the module docstring): ``max(1 GiB, 1% of the device)``."""
-    return max(1 << 30, total_bytes // 100)
+    (see the module docstring): ``max(2.5 GiB, 2% of the device)``."""
+    return max(5 << 29, total_bytes // 50)
 
 
 class _Nvml:
