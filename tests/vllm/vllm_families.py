@@ -109,6 +109,16 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": True},
             limit_pages=16,
         ),
+        Family(
+            "chunked_local",
+            "Chunked local + full attention, MoE",
+            "Llama 4",
+            "llama4",
+            groups="3 x ChunkedLocalAttentionSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=64 << 10,
+            engine={"enable_prefix_caching": True},
+            limit_pages=24,
+        ),
     )
 }
 

@@ -44,7 +44,7 @@ class SpecSupport:
 SPECS: dict[str, SpecSupport] = {
     "FullAttentionSpec": SpecSupport("full attention", served=True),
     "SlidingWindowSpec": SpecSupport("sliding-window attention", served=True),
-    "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=False),
+    "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=True),
     "MLAAttentionSpec": SpecSupport("MLA (multi-head latent attention)", served=False),
     "MambaSpec": SpecSupport("Mamba / linear-attention state", served=False),
     "SinkFullAttentionSpec": SpecSupport("static sink tokens in the KV cache", served=False),
