@@ -119,6 +119,16 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": True},
             limit_pages=24,
         ),
+        Family(
+            "moe",
+            "MoE with full attention",
+            "Qwen3-MoE, Mixtral",
+            "qwen3moe",
+            groups="1 x FullAttentionSpec (2 layers)",
+            block_bytes=128 << 10,  # two layers of 64 KiB
+            engine={"enable_prefix_caching": True},
+            limit_pages=14,
+        ),
     )
 }
 
