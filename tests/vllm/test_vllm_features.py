@@ -64,10 +64,9 @@ def test_refused_features_are_named_each_once() -> None:
     cross = CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     cfg = KVCacheConfig(4, [], [KVCacheGroupSpec(["a"], _full()), KVCacheGroupSpec(["b", "c"], cross)])
     with pytest.raises(ConfigError) as err:
-        check_model(cfg, shared_kv_layers=2)
+        check_model(cfg)
     text = str(err.value)
     assert "cross-attention (encoder-decoder) (CrossAttentionSpec)" in text
-    assert "cross-layer KV cache sharing (2 layers reuse another's cache)" in text
     assert "full attention" not in text and text.count("CrossAttentionSpec") == 1
     assert text.endswith("Use --kv-cache-backend=native for it.")
 

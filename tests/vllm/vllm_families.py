@@ -129,6 +129,18 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": True},
             limit_pages=14,
         ),
+        Family(
+            "kv_sharing",
+            "Cross-layer KV sharing",
+            "Gemma 3n/4",
+            "gemma4",
+            # Layers 2 and 3 read layers 0's and 1's caches: only two layers own KV.
+            groups="1 x SlidingWindowSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=512 << 10,  # 1024 (sliding) or 128 (full, 512-wide heads) tokens x 512 B
+            shared_layers=2,
+            engine={"enable_prefix_caching": True},
+            limit_pages=12,
+        ),
     )
 }
 

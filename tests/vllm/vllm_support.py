@@ -44,7 +44,6 @@ FULL_ATTENTION_CPU = "tests/vllm/test_vllm_elastic.py"
 FULL_ATTENTION_GPU = "ci/gpu_vllm.py (docs/results/gpu-vllm.md)"
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("Cross-layer KV sharing", "Gemma 3n/4", "cross-layer KV cache sharing"),
     Refused("MLA (multi-head latent attention)", "DeepSeek-V2/V3, Kimi K2", "MLAAttentionSpec"),
     Refused("Mamba / GDN state beside attention", "Qwen3-Next, Nemotron-H, Granite 4", "MambaSpec"),
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),

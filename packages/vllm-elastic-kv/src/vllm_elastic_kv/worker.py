@@ -64,7 +64,7 @@ class ElasticWorkerMixin:
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
         self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
-        check_model(kv_cache_config, shared_kv_layers=len(self._shared_kv_layers()))
+        check_model(kv_cache_config)
         self._elastic_pool.finish(bound_kv_views(self.vllm_config, kv_cache_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager[Any]:
