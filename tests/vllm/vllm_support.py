@@ -45,7 +45,7 @@ FULL_ATTENTION_GPU = "ci/gpu_vllm.py (docs/results/gpu-vllm.md)"
 
 REFUSED: tuple[Refused, ...] = (
     Refused("MLA (multi-head latent attention)", "DeepSeek-V2/V3, Kimi K2", "MLAAttentionSpec"),
-    Refused("Mamba / GDN state beside attention", "Qwen3-Next, Nemotron-H, Granite 4", "MambaSpec"),
+    Refused("Mamba / GDN state with prefix caching", "Qwen3-Next, Nemotron-H", "mamba_cache_mode='align'"),
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),

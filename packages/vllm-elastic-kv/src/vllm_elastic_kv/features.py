@@ -46,7 +46,7 @@ SPECS: dict[str, SpecSupport] = {
     "SlidingWindowSpec": SpecSupport("sliding-window attention", served=True),
     "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=True),
     "MLAAttentionSpec": SpecSupport("MLA (multi-head latent attention)", served=False),
-    "MambaSpec": SpecSupport("Mamba / linear-attention state", served=False),
+    "MambaSpec": SpecSupport("Mamba / linear-attention state", served=True),
     "SinkFullAttentionSpec": SpecSupport("static sink tokens in the KV cache", served=False),
     "SlidingWindowMLASpec": SpecSupport("sliding-window MLA", served=False),
     "RSWASpec": SpecSupport("reverse sliding-window attention", served=False),
@@ -99,6 +99,9 @@ def unsupported_model_features(kv_cache_config: Any) -> list[str]:
                 reasons.add(f"KV cache spec {name} (unknown to vllm-elastic-kv)")
             elif not support.served:
                 reasons.add(f"{support.feature} ({name})")
+            elif getattr(spec, "mamba_cache_mode", "none") == "align":
+                # vLLM's prefix caching of state checkpoints; not yet proven on an engine.
+                reasons.add("prefix caching of Mamba / linear-attention state (mamba_cache_mode='align')")
     return sorted(reasons)
 
 
