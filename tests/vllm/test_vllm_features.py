@@ -64,10 +64,9 @@ def test_refused_features_are_named_each_once() -> None:
     cross = CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     cfg = KVCacheConfig(4, [], [KVCacheGroupSpec(["a"], _full()), KVCacheGroupSpec(["b", "c"], cross)])
     with pytest.raises(ConfigError) as err:
-        check_model(cfg, shared_kv_layers=2)
+        check_model(cfg)
     text = str(err.value)
     assert "cross-attention (encoder-decoder) (CrossAttentionSpec)" in text
-    assert "cross-layer KV cache sharing (2 layers reuse another's cache)" in text
     assert "full attention" not in text and text.count("CrossAttentionSpec") == 1
     assert text.endswith("Use --kv-cache-backend=native for it.")
 
@@ -81,3 +80,22 @@ def test_a_subclass_does_not_pass_as_its_served_base() -> None:
     spec = NewSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     reasons = unsupported_model_features(KVCacheConfig(4, [], [KVCacheGroupSpec(["a"], spec)]))
     assert reasons == ["KV cache spec NewSpec (unknown to vllm-elastic-kv)"]
+
+
+def test_mamba_state_is_served_without_prefix_caching_and_refused_with_it() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    def config(mode: str) -> Any:
+        state = MambaSpec(
+            block_size=1024,
+            shapes=((3, 160), (4, 32, 16)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=16 * 2 * 64 * 2 * 2 * 4,
+            mamba_cache_mode=mode,
+        )
+        return KVCacheConfig(4, [], [KVCacheGroupSpec(["m"], state), KVCacheGroupSpec(["a"], _full())])
+
+    assert unsupported_model_features(config("none")) == []
+    assert unsupported_model_features(config("align")) == [
+        "prefix caching of Mamba / linear-attention state (mamba_cache_mode='align')"
+    ]

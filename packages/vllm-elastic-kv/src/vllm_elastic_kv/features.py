@@ -44,9 +44,9 @@ class SpecSupport:
 SPECS: dict[str, SpecSupport] = {
     "FullAttentionSpec": SpecSupport("full attention", served=True),
     "SlidingWindowSpec": SpecSupport("sliding-window attention", served=True),
-    "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=False),
+    "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=True),
     "MLAAttentionSpec": SpecSupport("MLA (multi-head latent attention)", served=False),
-    "MambaSpec": SpecSupport("Mamba / linear-attention state", served=False),
+    "MambaSpec": SpecSupport("Mamba / linear-attention state", served=True),
     "SinkFullAttentionSpec": SpecSupport("static sink tokens in the KV cache", served=False),
     "SlidingWindowMLASpec": SpecSupport("sliding-window MLA", served=False),
     "RSWASpec": SpecSupport("reverse sliding-window attention", served=False),
@@ -86,7 +86,7 @@ def attention_sink_layers(forward_context: dict[str, Any]) -> int:
     return sum(1 for layer in forward_context.values() if getattr(layer, "has_sink", False) is True)
 
 
-def unsupported_model_features(kv_cache_config: Any, shared_kv_layers: int = 0) -> list[str]:
+def unsupported_model_features(kv_cache_config: Any) -> list[str]:
     """Why the elastic backend cannot serve this model's KV cache (empty: it can), one phrase each."""
     reasons: set[str] = set()
     for group in kv_cache_config.kv_cache_groups:
@@ -99,14 +99,15 @@ def unsupported_model_features(kv_cache_config: Any, shared_kv_layers: int = 0) 
                 reasons.add(f"KV cache spec {name} (unknown to vllm-elastic-kv)")
             elif not support.served:
                 reasons.add(f"{support.feature} ({name})")
-    if shared_kv_layers:
-        reasons.add(f"cross-layer KV cache sharing ({shared_kv_layers} layers reuse another's cache)")
+            elif getattr(spec, "mamba_cache_mode", "none") == "align":
+                # vLLM's prefix caching of state checkpoints; not yet proven on an engine.
+                reasons.add("prefix caching of Mamba / linear-attention state (mamba_cache_mode='align')")
     return sorted(reasons)
 
 
-def check_model(kv_cache_config: Any, shared_kv_layers: int = 0) -> None:
+def check_model(kv_cache_config: Any) -> None:
     """ConfigError naming every unsupported feature of the model's KV cache."""
-    reasons = unsupported_model_features(kv_cache_config, shared_kv_layers)
+    reasons = unsupported_model_features(kv_cache_config)
     if reasons:
         raise ConfigError(
             "--kv-cache-backend=elastic does not support this model's " + "; ".join(reasons) + ". Use "

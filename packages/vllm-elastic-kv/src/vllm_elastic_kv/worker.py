@@ -34,18 +34,25 @@ logger = logging.getLogger(__name__)
 
 
 def bound_kv_views(vllm_config: Any, kv_cache_config: Any) -> list[torch.Tensor]:
-    """The KV cache tensors vLLM bound to the attention layers of ``kv_cache_config`` (what the kernels
-    read and write), from the compilation config's static forward context."""
+    """The KV cache tensors vLLM bound to the layers of ``kv_cache_config`` (what the kernels read and
+    write), from the compilation config's static forward context.
+
+    An attention layer holds one tensor; a Mamba / linear-attention layer one per state (conv, SSM); vLLM
+    0.26-0.28 wraps either in a list per virtual engine (one: pipeline parallelism is refused). Every tensor
+    found counts: a state the geometry missed would be served by the zero page."""
     context = vllm_config.compilation_config.static_forward_context
     views: list[torch.Tensor] = []
+
+    def collect(kv: Any) -> None:
+        if isinstance(kv, torch.Tensor):
+            views.append(kv)
+        elif isinstance(kv, (list, tuple)):
+            for item in kv:
+                collect(item)
+
     for group in kv_cache_config.kv_cache_groups:
         for name in group.layer_names:
-            layer = context.get(name)
-            kv = getattr(layer, "kv_cache", None)
-            if isinstance(kv, (list, tuple)):  # older vLLM: one tensor per virtual engine
-                kv = kv[0] if kv else None
-            if isinstance(kv, torch.Tensor):
-                views.append(kv)
+            collect(getattr(context.get(name), "kv_cache", None))
     return views
 
 
@@ -64,7 +71,7 @@ class ElasticWorkerMixin:
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
         self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
-        check_model(kv_cache_config, shared_kv_layers=len(self._shared_kv_layers()))
+        check_model(kv_cache_config)
         self._elastic_pool.finish(bound_kv_views(self.vllm_config, kv_cache_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager[Any]:
