@@ -33,8 +33,9 @@ both backends run that way. Neither loads plugins through vLLM (``VLLM_PLUGINS="
 vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on
 ``PYTHONPATH`` is enough.
 
-    python3 ci/gpu_vllm.py [--model tiny|1b|8b] [--requests 256] [--prompt 256] [--output 128] [--bursts 21]
-                           [--swap | --calibrate [native|elastic]] [--gpu-times] [--out DIR]
+    python3 ci/gpu_vllm.py [--model tiny|1b|8b|gptoss|mla|gdn|moe] [--requests 256] [--prompt 256]
+                           [--output 128] [--bursts 21] [--swap | --calibrate [native|elastic]]
+                           [--gpu-times] [--out DIR]
 
 Exit status 0 when every check holds, 1 otherwise. Writes ``gpu_vllm.json`` to ``--out`` (default $OUT).
 """
@@ -140,17 +141,109 @@ def _cpu_split(mode: str) -> dict[str, list[int]] | None:
     return {"A": first, "B": second, "parent": parent}
 
 
-def _model_dir(root: Path, model: str) -> Path:
-    from transformers import LlamaConfig
+# Other attention families (random weights; `--model NAME`): the KV cache groups vLLM builds beyond one plain
+# full-attention group, each with a few layers of its real architecture's shape. gptoss: sliding-window and
+# full attention, both with attention sinks, MoE (gpt-oss-20b's layer shape). mla: DeepSeek-V3's latent
+# attention (kv_lora_rank 512, rope 64) with MoE. gdn: Qwen3-Next's Gated DeltaNet state beside full
+# attention, MoE. moe: Qwen3-MoE (full attention; vLLM may pick another model runner for MoE models).
+FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gptoss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+    "mla": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "moe_intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "n_routed_experts": 16,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+        },
+    ),
+    "gdn": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        },
+    ),
+    "moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "moe_intermediate_size": 768,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+        },
+    ),
+}
 
-    path = root / f"llama-{model}"
-    if not (path / "config.json").exists():
-        LlamaConfig(
-            architectures=["LlamaForCausalLM"],
-            vocab_size=32000,
-            max_position_embeddings=4096,
-            **MODELS[model],
+
+def _model_dir(root: Path, model: str) -> Path:
+    import transformers
+
+    path = root / f"{'llama-' if model in MODELS else ''}{model}"
+    if (path / "config.json").exists():
+        return path
+    if model in FAMILY_MODELS:
+        config_class, architecture, shape = FAMILY_MODELS[model]
+        getattr(transformers, config_class)(
+            architectures=[architecture], vocab_size=32000, max_position_embeddings=4096, **shape
         ).save_pretrained(path)
+        return path
+    transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        **MODELS[model],
+    ).save_pretrained(path)
     return path
 
 
@@ -784,7 +877,10 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--bursts", type=int, default=21, help="rounds: bursts per engine (median taken)")
     parser.add_argument(
-        "--model", choices=sorted(MODELS), default="tiny", help="model shape (random weights)"
+        "--model",
+        choices=sorted(MODELS) + sorted(FAMILY_MODELS),
+        default="tiny",
+        help="model shape (random weights): Llama shapes, or another attention family (FAMILY_MODELS)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
@@ -796,6 +892,11 @@ def main() -> None:
         help="cProfile the bursts; write profile_<slot>_<backend>.txt to --out",
     )
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the bursts")
+    parser.add_argument(
+        "--no-speed-goal",
+        action="store_true",
+        help="report the throughput ratio without checking it (a correctness run: small bursts are noise)",
+    )
     parser.add_argument(
         "--gpu-times",
         action="store_true",
@@ -902,9 +1003,10 @@ def main() -> None:
     checks = {
         "greedy outputs equal": same,
         "idle footprint <= null page + minimum reserve": idle_ok,
-        "throughput ratio >= 0.99": ratio >= 0.99,
         "no driver call in steady decode": steady["steps"] > 0 and steady["driver_steps"] == 0,
     }
+    if not args.no_speed_goal:
+        checks["throughput ratio >= 0.99"] = ratio >= 0.99
     lines = [
         f"vLLM {elastic['vllm']} on {elastic['device']}",
         f"greedy outputs: {'EQUAL' if same else 'DIFFERENT'} ({len(native['tokens'])} prompts x 64 tokens)",

@@ -77,3 +77,19 @@ def test_ledger_drives_cuda_pages_with_deferred_release() -> None:
         led.close()
         mapper.close()
     assert backend.cleanup_failures == 0
+
+
+def test_device_key_is_the_gpu_uuid_for_every_process_view() -> None:
+    """``device_key`` names a GPU by the UUID ``nvidia-smi -L`` shows, read from the driver without a
+    context, and the size is the driver's: the same for every engine and rank on that GPU."""
+    import subprocess
+
+    from elastic_kv.device import device_key, device_total_bytes
+
+    torch = pytest.importorskip("torch")
+    key = device_key("cuda", 0)
+    props = torch.cuda.get_device_properties(0)
+    assert key == f"GPU-{props.uuid}"
+    assert device_total_bytes("cuda", 0) == props.total_memory
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    assert key in listed

@@ -77,3 +77,33 @@ def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, Any]) -> None:
     a.ledger.maintain()
     assert a.ledger.snapshot().reserve_pages == 0 and a.group.num_mapped == 1
     assert view.pool("a").charged_bytes == PAGE
+
+
+def test_kvctl_trim_is_not_undone_by_the_same_maintain(tmp_path: Path) -> None:
+    """A trim returns the pre-mapped reserve; the maintain() that applies it does not map it again."""
+    view = registry_view.Registry(tmp_path)
+    record = registry.PoolRecord.create(
+        "t", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+    )
+    cfg = ElasticConfig(
+        page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=4, publish_interval_s=60
+    )
+    pool = make_pool(config=cfg, record=record, name="t")
+    try:
+        pool.ledger.maintain()
+        pool.ledger.settle()  # the background maps land
+        assert pool.ledger.snapshot().reserve_pages == 2 and view.pool("t").charged_bytes == 3 * PAGE
+        view.request_trim("t")
+        pool.ledger.maintain()
+        assert pool.ledger.snapshot().reserve_pages == 0
+        info = view.pool("t")
+        assert info.charged_bytes == PAGE  # the null block's page
+        # Published at once (despite publish_interval_s): kvctl reads the answer from the record.
+        assert info.snapshot is not None and info.snapshot.reserve_pages == 0
+        assert pool.ledger.snapshot().inflight_pages == 0
+        pool.ledger.maintain()  # later steps size the reserve from demand again
+        pool.ledger.settle()
+        assert pool.ledger.snapshot().reserve_pages == 2
+    finally:
+        pool.close()
+        record.close()

@@ -3,7 +3,8 @@
 Started by ``conftest.PoolProcess``. It creates the record from its arguments, answers ``{"ready": ...}``
 and then one JSON line per command:
 
-    charge N | uncharge N | poll | state | observe OP SECONDS | publish USED TOTAL MAPPED HITS MISSES
+    charge N | uncharge N | poll | state | headroom | observe OP SECONDS
+    publish USED TOTAL MAPPED HITS MISSES
     fork-sleeper            fork a child that inherits the record (and its lock) and sleeps
     follow STEP             background loop: poll, shrink to a lowered limit, charge STEP while it fits
     hammer SEED SECONDS MAX random charges/uncharges of up to MAX bytes for SECONDS; answers when done
@@ -117,6 +118,8 @@ def main() -> None:
                    "limit": record.limit_bytes, "headroom": record.headroom_bytes})  # fmt: skip
         elif cmd == "state":
             reply({"charged": record.charged_bytes, "limit": record.limit_bytes})
+        elif cmd == "headroom":
+            reply({"headroom": record.headroom_bytes})
         elif cmd == "observe":
             record.observe(rest[0], float(rest[1]))
             reply({"ok": True})

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_UNKNOWN
+from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
 from elastic_kv.registry_view import Registry
 
 from limits.helpers import PoolProcess
@@ -93,7 +93,7 @@ def test_limit_sizes_and_percentages(
 
 
 def test_budget_show_set_and_effect_on_charges(
-    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]
+    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess], registry_dir: Path
 ) -> None:
     llama, qwen = two_pools
     done = kvctl("budget", "cuda:0", "4G")
@@ -107,17 +107,23 @@ def test_budget_show_set_and_effect_on_charges(
     assert done.returncode == 0 and "budget 3.00 GiB" in done.stdout
     assert kvctl("budget", "cuda:0", "none").returncode == 0
     assert qwen.send(f"charge {GiB}")["ok"]
-    # An operator may set a budget before any engine uses the device.
-    done = kvctl("budget", "GPU-0f3c2b1a-1111-2222-3333-444455556666", "60GiB")
+    # An operator may set a budget before any engine uses the device, saying so with --create; without
+    # it, a name no pool has used is refused (a typo must not create a budget that protects nothing).
+    fresh = "GPU-0f3c2b1a-1111-2222-3333-444455556666"
+    done = kvctl("budget", fresh, "60GiB")
+    assert done.returncode == EXIT_UNKNOWN
+    assert "no pool has used device" in done.stderr and "--create" in done.stderr
+    assert fresh not in {d.device for d in Registry(registry_dir).devices()}
+    done = kvctl("budget", fresh, "60GiB", "--create")
     assert done.returncode == 0, done.stderr
     assert llama.send("state")["charged"] == 3 * GiB
 
 
 def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]) -> None:
     llama, qwen = two_pools
-    done = kvctl("trim", "qwen")
+    done = kvctl("trim", "qwen", "--wait", "0.2")  # a worker process that never answers: no wait forever
     assert done.returncode == 0, done.stderr
-    assert "trim requested" in done.stdout
+    assert "trim requested" in done.stdout and "no answer in 0.2 s" in done.stdout
     events = qwen.send("poll")
     assert events["trim_requested"] and not events["limit_changed"]
     assert not llama.send("poll")["trim_requested"]
@@ -131,13 +137,23 @@ def test_trim_reaches_the_owner(kvctl: Kvctl, two_pools: tuple[PoolProcess, Pool
         (("budget", "cuda:7"), EXIT_UNKNOWN, "no budget for device 'cuda:7'.*known devices: cuda:0"),
         (("limit", "llama", "12X"), EXIT_BAD_ARGUMENT, "invalid size '12X'"),
         (("limit", "llama", "--", "-1G"), EXIT_BAD_ARGUMENT, "invalid size"),
+        (("limit", "llama", "-1G"), EXIT_BAD_ARGUMENT, "invalid size '-1G': it is negative"),
+        (("budget", "cuda:0", "-5G"), EXIT_BAD_ARGUMENT, "invalid size '-5G': it is negative"),
+        (("budget", "cuda:0", "-.5M"), EXIT_BAD_ARGUMENT, "it is negative"),
+        (("limit", "llama", "-10%"), EXIT_BAD_ARGUMENT, "invalid percentage '-10%': it is negative"),
         (("limit", "llama", "1.5"), EXIT_BAD_ARGUMENT, "whole number of bytes"),
+        (
+            ("limit", "llama", "1M"),
+            EXIT_BAD_ARGUMENT,
+            "below one page of pool llama .2.00 MiB.: .*at least 2.00 MiB",
+        ),
         (("limit", "llama", "150%"), EXIT_BAD_ARGUMENT, "at most 100%"),
         (("limit", "llama", "0"), EXIT_BAD_ARGUMENT, "'unlimited'"),
         (("limit", "qwen", "0.0000000001%"), EXIT_BAD_ARGUMENT, "0 bytes"),
         (("limit", "bad/name", "1G"), EXIT_BAD_ARGUMENT, "invalid pool name"),
         (("budget", "cuda/0", "1G"), EXIT_BAD_ARGUMENT, "invalid device name"),
-        (("budget", "cuda:5", "10%"), EXIT_BAD_ARGUMENT, "size of device cuda:5 is unknown"),
+        (("budget", "cuda:5", "10%"), EXIT_UNKNOWN, "no pool has used device 'cuda:5'"),
+        (("budget", "cuda:5", "10%", "--create"), EXIT_BAD_ARGUMENT, "size of device cuda:5 is unknown"),
         (("watch", "-n", "0"), EXIT_BAD_ARGUMENT, "interval must be positive"),
         (("frobnicate",), EXIT_BAD_ARGUMENT, "invalid choice"),
         ((), EXIT_BAD_ARGUMENT, "required"),
@@ -150,6 +166,15 @@ def test_errors_have_clear_messages_and_exit_codes(
     assert done.returncode == code, (done.stdout, done.stderr)
     assert re.search(message, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_limit_wait_says_when_the_pool_did_not_get_under_it(
+    kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    """This owner never releases: --wait gives up after its time, says so, and exits 5."""
+    done = kvctl("limit", "llama", "2G", "--wait", "0.3")
+    assert done.returncode == EXIT_TIMEOUT, (done.stdout, done.stderr)
+    assert "not applied within 0.3 s: the pool still holds 3.00 GiB (limit 2.00 GiB)" in done.stdout
 
 
 def test_percentage_limit_without_budget_or_size_is_refused(
@@ -174,6 +199,41 @@ def test_unusable_registry_directory_exits_4(tmp_path: Path, child_env: dict[str
     )
     assert done.returncode == EXIT_REGISTRY
     assert "chmod 700" in done.stderr
+
+
+def test_kvctl_reads_no_setting_it_does_not_use(
+    registry_dir: Path, child_env: dict[str, str], two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    """A bad engine setting in the operator's shell concerns the engines, not kvctl."""
+    env = {**child_env, "ELASTIC_KV_PAGE_SIZE": "abc", "ELASTIC_KV_LIMIT": "-1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\nllama " in done.stdout
+    assert "PAGE_SIZE" not in done.stderr
+
+
+def test_corrupt_record_is_moved_aside_not_deleted(
+    kvctl: Kvctl, registry_dir: Path, two_pools: tuple[PoolProcess, PoolProcess]
+) -> None:
+    garbage = b"not a pool record" * 10
+    (registry_dir / "broken.pool").write_bytes(garbage)
+    done = kvctl("list")
+    assert done.returncode == 0, done.stderr
+    assert not (registry_dir / "broken.pool").exists()
+    assert (registry_dir / "broken.pool.corrupt").read_bytes() == garbage
+    assert "broken.pool" in done.stderr and "moved it to" in done.stderr
+    assert "\nllama " in done.stdout and "broken" not in done.stdout
+    # A second corrupt record of the same name does not overwrite the first one kept aside.
+    (registry_dir / "broken.pool").write_bytes(b"x")
+    assert kvctl("list").returncode == 0
+    assert (registry_dir / "broken.pool.corrupt").read_bytes() == garbage
+    assert (registry_dir / "broken.pool.corrupt.2").read_bytes() == b"x"
 
 
 def test_empty_registry(kvctl: Kvctl) -> None:

@@ -91,3 +91,29 @@ def test_flag_unknown_without_plugin() -> None:
     out = _probe([[*BASE, "--kv-cache-backend=elastic"]], SGLANG_PLUGINS="no-such-plugin")[0]
     assert out["exit"] == 2
     assert "unrecognized arguments: --kv-cache-backend=elastic" in out["stderr"]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("ELASTIC_KV_PAGE_SIZE", "3", "e.g. 2M"),
+        ("ELASTIC_KV_LIMIT", "-1", "it is negative"),
+    ],
+)
+def test_bad_setting_stops_launch_server_with_one_line(variable: str, value: str, expected: str) -> None:
+    """``python -m sglang.launch_server --kv-cache-backend=elastic`` with a bad pool setting ends in the
+    launcher, before a scheduler is spawned or the model is read (the path does not exist)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_KV_")}
+    environ[variable] = value
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *BASE, "--kv-cache-backend=elastic"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("sglang-elastic-kv:")]
+    assert len(ours) == 1, done.stderr[-3000:]
+    assert variable in ours[0] and repr(value) in ours[0] and expected in ours[0], ours[0]
+    assert "Traceback" not in done.stderr

@@ -49,3 +49,30 @@ def test_bad_setting_refuses_start_up_instead_of_running_native(monkeypatch: pyt
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.24"])
+def test_unsupported_version_refuses_start_up_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """The installed version is read from the distribution; another version than the ones the tests ran
+    makes the scheduler's first KV pool fail with one line naming the version and the supported one."""
+    from elastic_kv.errors import ConfigError
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang_elastic_kv import compat, plugin
+
+    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
+    monkeypatch.setattr(compat, "installed_sglang_version", lambda: version)
+    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    try:
+        HookRegistry._hooks.clear()
+        plugin.register()
+        assert set(HookRegistry._hooks) == {*compat.CLI_TARGETS, compat.STARTUP_GUARD}  # no memory hook
+        ((_, hook, _),) = HookRegistry._hooks[compat.STARTUP_GUARD]
+        with pytest.raises(ConfigError) as info:
+            hook(object())
+        text = str(info.value)
+        assert "\n" not in text and f"sglang {version}:" in text and "supported 0.5.23" in text
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved)

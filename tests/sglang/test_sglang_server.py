@@ -192,3 +192,46 @@ def test_kvctl_limit_makes_it_retract_not_crash(server: Server) -> None:
         assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         kvctl(server.registry, "limit", POOL, "unlimited")
+
+
+def _pool_json(srv: Server) -> dict[str, Any]:
+    listed = kvctl(srv.registry, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    pools: dict[str, dict[str, Any]] = {p["name"]: p for p in json.loads(listed.stdout)["pools"]}
+    return pools[POOL]
+
+
+def _settled_pool(srv: Server, pred: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+    """``kvctl list --json``'s record of the pool once ``pred(snapshot)`` holds (or the last one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pool = _pool_json(srv)
+        if pred(pool["snapshot"]) or time.monotonic() > deadline:
+            return pool
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("body", [{}, {"tags": ["kv_cache"]}], ids=["all-tags", "kv-cache-tag"])
+def test_sleep_and_wake_over_http(server: Server, body: dict[str, Any]) -> None:
+    """``/release_memory_occupation`` (as a controller calls it, on an idle server) returns the KV cache to
+    the null page -- the prefix cache is flushed, every block and the reserve unmapped, and it stays so
+    while asleep; ``/resume_memory_occupation`` wakes it and the outputs equal those before the sleep."""
+    prompts = [[(13 * i + j) % 1000 + 4 for j in range(40)] for i in range(4)]
+    before = [_generate(server, p, 24)["output_ids"] for p in prompts]
+    busy = _settled_pool(server, lambda s: s["used_blocks"] > 0)["snapshot"]  # the prefix cache holds them
+    assert busy["used_blocks"] > 0
+    released = requests.post(f"{server.url}/release_memory_occupation", json=body, timeout=120)
+    assert released.status_code == 200, released.text
+    asleep = _settled_pool(server, lambda s: s["used_blocks"] == 0 and s["reserve_pages"] == 0)["snapshot"]
+    assert asleep["used_blocks"] == 0 and asleep["reserve_pages"] == 0
+    assert asleep["mapped_bytes"] <= asleep["page_bytes"]  # the null page only
+    time.sleep(1.0)  # idle passes run housekeeping: asleep, it maps no reserve again
+    still = _pool_json(server)["snapshot"]
+    assert still["mapped_bytes"] <= still["page_bytes"], still
+    resumed = requests.post(f"{server.url}/resume_memory_occupation", json=body, timeout=120)
+    assert resumed.status_code == 200, resumed.text
+    after = [_generate(server, p, 24)["output_ids"] for p in prompts]
+    assert after == before
+    assert _pool_json(server)["snapshot"]["used_blocks"] > 0  # it maps on demand again
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "memory leak detected" not in log

@@ -14,6 +14,16 @@ from elastic_kv.errors import ConfigError
 
 pytestmark = pytest.mark.sglang
 
+
+def _configurator(algorithm: str = "NONE") -> Any:
+    """What the allocator builder hook reads of SGLang's configurator (building SGLang's needs a model)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
+
+
 SLOT = 64 << 10
 H, D, LAYERS = 2, 32, 2
 ROW = H * D * 4  # bytes of one token's K (or V) row in one layer
@@ -347,7 +357,7 @@ def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: t
     pool, _ = token_setup
     built = build_allocator_around(
         lambda cfg, **kw: TokenToKVPoolAllocator(512, torch.float32, "cpu", pool, False),
-        object(),
+        _configurator(),
         token_to_kv_pool_allocator=None,
     )
     assert type(built) is ElasticTokenToKVPoolAllocator and built.get_kvcache() is pool
@@ -355,9 +365,42 @@ def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: t
     with pytest.raises(ConfigError, match="elastic KV pool"):
         build_allocator_around(
             lambda cfg, **kw: TokenToKVPoolAllocator(512, torch.float32, "cpu", plain, False),
-            object(),
+            _configurator(),
             token_to_kv_pool_allocator=None,
         )
+
+
+def test_speculative_decoding_is_refused_before_anything_is_built() -> None:
+    from sglang_elastic_kv.hooks import build_allocator_around
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the allocator was built")
+
+    from types import SimpleNamespace
+
+    from sglang_elastic_kv.hooks import refuse_unserved_before
+
+    for name in ("NGRAM", "EAGLE", "STANDALONE"):
+        with pytest.raises(ConfigError) as info:
+            build_allocator_around(never, _configurator(name), token_to_kv_pool_allocator=None)
+        text = str(info.value)
+        assert "\n" not in text and f"speculative decoding (--speculative-algorithm {name})" in text
+        with pytest.raises(ConfigError, match=f"--speculative-algorithm {name}"):
+            refuse_unserved_before(object(), SimpleNamespace(speculative_algorithm=name))
+    refuse_unserved_before(object(), SimpleNamespace(speculative_algorithm=None))  # no speculation: served
+
+
+def test_mamba_hybrids_are_refused_before_anything_is_built() -> None:
+    import transformers
+    from sglang_elastic_kv.hooks import build_allocator_around
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the allocator was built")
+
+    configurator = _configurator()
+    configurator.mambaish_config = transformers.Qwen3NextConfig()  # what SGLang's mambaish_config returns
+    with pytest.raises(ConfigError, match=r"Mamba / hybrid-linear models \(Qwen3NextConfig\)"):
+        build_allocator_around(never, configurator, token_to_kv_pool_allocator=None)
 
 
 def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:

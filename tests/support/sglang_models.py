@@ -48,6 +48,14 @@ class TinySWASpec:
     seed: int = 0
 
 
+# Every layer sliding: SGLang serves it with ``PureSWATokenToKVPoolAllocator`` (page_size 1). The window
+# is wider than the hybrid's so that a batch of 8 x (48 + 96) tokens holds ~8 x 96 slots at its peak
+# (enough to outgrow a lowered limit) while longer requests still free out-of-window slots.
+TINY_PURE_SWA = TinySWASpec(
+    name="tiny-laguna-pure-swa", layer_types=("sliding_attention",) * 4, sliding_window=96
+)
+
+
 def tiny_swa_model(spec: TinySWASpec = TinySWASpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
     root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))

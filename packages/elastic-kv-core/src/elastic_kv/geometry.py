@@ -70,14 +70,16 @@ def strided_families(
     itself is one of them, with stride 1).
 
     The innermost axes that are dense (each stride equals the product of the inner counts) fuse into one
-    contiguous run; every combination of the remaining axes gives one family. vLLM's ``[L, B, H, N, C]``
+    contiguous run, as long as the run stays within ``block_stride`` (a block's run never reaches into the
+    next block's; with a single block, a layer-outer buffer's layers are as dense as a layer's bytes and
+    stay apart); every combination of the remaining axes gives one family. vLLM's ``[L, B, H, N, C]``
     layouts reduce to one family per layer (``LBHNC``), per layer and head (``LHBNC``) or one in all
     (``BHLNC``). Raises ``ValueError`` when two axes overlap (not a valid layout).
     """
     live = sorted(((count, stride) for count, stride in axes if count > 1), key=lambda a: a[1])
     run = 1
     inner = 0
-    while inner < len(live) and live[inner][1] == run:
+    while inner < len(live) and live[inner][1] == run and run * live[inner][0] <= block_stride:
         run *= live[inner][0]
         inner += 1
     outer = live[inner:]

@@ -1,14 +1,20 @@
 """kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.kvctl``).
 
     kvctl list [--json]                 every pool and device budget
-    kvctl limit POOL SIZE|PCT|unlimited a pool's physical limit (PCT of its device's budget, else its size)
-    kvctl budget DEVICE [SIZE|PCT|unlimited]   show or set a device's GPU-wide budget (PCT of its size)
-    kvctl trim POOL                     ask a pool to return its mapped reserve now
+    kvctl limit POOL SIZE|PCT|unlimited [--wait SEC]
+                                        a pool's physical limit (PCT of its device's budget, else its size);
+                                        --wait: until the pool holds no more than that, and say how long
+    kvctl budget DEVICE [SIZE|PCT|unlimited] [--create]
+                                        show or set a device's GPU-wide budget (PCT of its size); a device
+                                        no pool has used yet needs --create (a misspelt name is refused)
+    kvctl trim POOL [--wait SEC]        have a pool return its mapped reserve now; print what came back
     kvctl watch [-n SEC] [--count N]    print the list every SEC seconds
     kvctl top [-n SEC] [--count N]      live table
     kvctl metrics [--port N]            Prometheus exposition once, or served on a port
 
 Sizes: 512M, 2GiB, 1.5G, 4096 (units are binary: 1G = 1GB = 1GiB), or a percentage such as 25%.
+A negative size (``-5G``) is read as a size, not as an option, and refused as negative. Devices are named
+as ``kvctl list`` shows them: ``cpu`` for the host backend, the GPU's UUID (``GPU-...``) for a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,18 +30,23 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_kv.errors import ConfigError
+from elastic_kv.registry_fs import check_device_name
 from elastic_kv.registry_layout import UNLIMITED
 from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry, UnknownDeviceError, UnknownPoolError
 from elastic_kv.sizes import Percent, format_bytes, parse_amount
 
-__all__ = ["EXIT_BAD_ARGUMENT", "EXIT_REGISTRY", "EXIT_UNKNOWN", "main", "render_list"]
+__all__ = ["EXIT_BAD_ARGUMENT", "EXIT_REGISTRY", "EXIT_TIMEOUT", "EXIT_UNKNOWN", "main", "render_list"]
 
 # Exit codes (also in --help): 0 success, 1 unexpected failure.
 EXIT_BAD_ARGUMENT = 2  # argparse's own code for usage errors; also bad sizes and percentages
 EXIT_UNKNOWN = 3  # no such pool or device
 EXIT_REGISTRY = 4  # the registry directory or a file in it cannot be used (ConfigError)
+EXIT_TIMEOUT = 5  # limit --wait: the pool did not get under its new limit in time
 
 _UNLIMITED_WORDS = ("unlimited", "none")
+# What argparse must take for a (negative) positional value rather than an option: '-5G', '-1.5', '-.5M'.
+# argparse's own matcher accepts only bare numbers ('-5'), so '-5G' would be an unknown option.
+_NEGATIVE_SIZE = re.compile(r"^-(\d+(\.\d*)?|\.\d+)\s*[A-Za-z%]*$")
 
 
 class _UsageError(Exception):
@@ -151,22 +163,59 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
         )
 
     nbytes = _amount(args.size, "limit", base)
+    page = pool.snapshot.page_bytes if pool.snapshot is not None else 0
+    if nbytes != UNLIMITED and nbytes < page:
+        one = format_bytes(page)
+        raise _UsageError(
+            f"a limit of {format_bytes(nbytes)} is below one page of pool {pool.name} ({one}): the pool "
+            f"always backs the page of its null block; give at least {one}"
+        )
     updated = registry.set_limit(pool.name, nbytes)
     was = _limit_text(pool.limit_bytes)
     out.write(
         f"pool {updated.name}: limit {_limit_text(updated.limit_bytes)} (was {was}), "
         f"charged {format_bytes(updated.charged_bytes)}, revision {updated.limit_revision}\n"
     )
-    if updated.limit_bytes != UNLIMITED and updated.charged_bytes > updated.limit_bytes:
+    over = updated.limit_bytes != UNLIMITED and updated.charged_bytes > updated.limit_bytes
+    if over and args.wait <= 0:
         out.write("the pool holds more than that now: it stops growing and shrinks as its blocks are freed\n")
+    if args.wait > 0 and over:
+        return _wait_under_limit(registry, updated, args.wait, out)
     return 0
+
+
+def _wait_under_limit(registry: Registry, pool: PoolInfo, seconds: float, out: TextIO) -> int:
+    """``limit --wait``: poll the pool's charge until it is within its limit; report how long it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        time.sleep(0.05)
+        now = registry.pool(pool.name)
+        if now.charged_bytes <= now.limit_bytes or now.limit_bytes == UNLIMITED:
+            out.write(
+                f"applied after {time.monotonic() - start:.2f} s: charged {format_bytes(pool.charged_bytes)} "
+                f"-> {format_bytes(now.charged_bytes)}\n"
+            )
+            return 0
+    now = registry.pool(pool.name)
+    out.write(
+        f"not applied within {seconds:g} s: the pool still holds {format_bytes(now.charged_bytes)} "
+        f"(limit {_limit_text(now.limit_bytes)}); it keeps shrinking as its blocks are freed\n"
+    )
+    return EXIT_TIMEOUT
 
 
 def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
     if args.size is None:
         device = registry.device(args.device)
     else:
+        check_device_name(args.device)
         known = {d.device: d for d in registry.devices()}
+        if args.device not in known and not args.create:
+            names = ", ".join(known) or "none"
+            raise UnknownDeviceError(
+                f"no pool has used device {args.device!r} (known devices: {names}); check the name with "
+                "'kvctl list', or add --create to set a budget before the device's first pool starts"
+            )
 
         def base() -> tuple[int, str]:
             total = known[args.device].total_bytes if args.device in known else 0
@@ -188,8 +237,27 @@ def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> in
 
 
 def _cmd_trim(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
+    before = registry.pool(args.pool)
     pool = registry.request_trim(args.pool)
-    out.write(f"pool {pool.name}: trim requested (revision {pool.trim_revision})\n")
+    asked = time.time()
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = registry.pool(args.pool)
+        # The owner publishes a snapshot as soon as it has applied the request: its answer.
+        if now.snapshot is not None and now.snapshot.timestamp >= asked:
+            returned = max(0, before.charged_bytes - now.charged_bytes)
+            was, left = format_bytes(before.charged_bytes), format_bytes(now.charged_bytes)
+            out.write(
+                f"pool {now.name}: returned {format_bytes(returned)} (charged {was} -> {left}; reserve "
+                f"{now.snapshot.reserve_pages} page(s))\n"
+            )
+            return 0
+    waited = f"no answer in {args.wait:g} s: " if args.wait > 0 else ""
+    out.write(
+        f"pool {pool.name}: trim requested (revision {pool.trim_revision}); {waited}the engine applies it "
+        "when it is next idle or steps\n"
+    )
     return 0
 
 
@@ -235,7 +303,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvctl",
         description="See and steer the elastic-kv pools of this host.",
         epilog="exit codes: 0 ok, 1 unexpected error, 2 bad arguments or sizes, 3 unknown pool or device, "
-        "4 registry directory unusable",
+        "4 registry directory unusable, 5 limit --wait timed out",
     )
     parser.add_argument(
         "--registry-dir",
@@ -252,15 +320,30 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("limit", help="set a pool's physical limit")
     p.add_argument("pool")
     p.add_argument("size", metavar="SIZE|PCT|unlimited", help="e.g. 512M, 2GiB, 25%% (of the device budget)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SEC",
+        help="wait up to SEC seconds until the pool holds no more than the limit (exit 5 if it does not)",
+    )
     p.set_defaults(run=_cmd_limit)
 
     p = sub.add_parser("budget", help="show or set a device's GPU-wide budget")
-    p.add_argument("device", help="device name as the pools report it, e.g. cuda:0")
+    p.add_argument("device", help="device name as 'kvctl list' shows it: cpu, or a GPU's UUID (GPU-...)")
     p.add_argument("size", nargs="?", metavar="SIZE|PCT|unlimited", help="e.g. 60GiB, 90%% (of the device)")
+    p.add_argument(
+        "--create",
+        action="store_true",
+        help="set the budget of a device no pool has used yet (without it, an unknown name is refused)",
+    )
     p.set_defaults(run=_cmd_budget)
 
-    p = sub.add_parser("trim", help="ask a pool to return its mapped reserve now")
+    p = sub.add_parser("trim", help="have a pool return its mapped reserve now, and say what came back")
     p.add_argument("pool")
+    p.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the pool's answer (default 10; 0: none)"
+    )
     p.set_defaults(run=_cmd_trim)
 
     for name, run, doc in (
@@ -278,6 +361,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="serve /metrics on this port until interrupted")
     p.add_argument("--addr", default="127.0.0.1", help="address to bind with --port (default: 127.0.0.1)")
     p.set_defaults(run=_cmd_metrics)
+    for subparser in sub.choices.values():
+        subparser._negative_number_matcher = _NEGATIVE_SIZE
     return parser
 
 

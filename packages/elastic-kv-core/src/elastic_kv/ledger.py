@@ -58,7 +58,7 @@ from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
 if TYPE_CHECKING:
-    from elastic_kv.registry import PoolRecord
+    from elastic_kv.registry import DeviceShare, PoolRecord
 
 __all__ = ["KVCacheManager"]
 
@@ -75,6 +75,9 @@ class KVCacheManager(PageBacking):
             in the background.
         config: reserve watermarks, deferred release, limit, ...
         record: the pool's shared record (limit, GPU-wide budget, statistics); ``None`` = no sharing.
+        shares: instead of ``record``, one record per device for a pool whose ranks back each page on
+            several devices, or several ranks on one (:func:`elastic_kv.registry.create_shares`); the
+            ledger counts one rank's bytes, each record is charged for the ranks on its device.
         name: the pool's name in snapshots.
         null_block: a block id reserved at start-up and backed for the pool's lifetime (vLLM: block 0;
             SGLang: slot/page 0, the padding target); ``None`` for none.
@@ -97,9 +100,13 @@ class KVCacheManager(PageBacking):
         null_block: int | None = 0,
         physical_free: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shares: Sequence[DeviceShare] = (),
     ) -> None:
         cfg = config or ElasticConfig()
-        super().__init__(geometry, mapper, PhysicalAccount(cfg, record, physical_free, clock), name)
+        if shares and record is not None:
+            raise ValueError("pass either record or shares, not both")
+        phys = PhysicalAccount(cfg, record, physical_free, clock, shares)
+        super().__init__(geometry, mapper, phys, name)
         nb, bpp = self._nb, self._bpp
         self._cfg = cfg
         self._epoch = 0
@@ -380,20 +387,24 @@ class KVCacheManager(PageBacking):
         reserve is then refilled only below what light steps take, and trimmed only above
         ``reserve_max_pages`` (:mod:`elastic_kv.reserve`).
 
-        Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim),
-        refreshes the physical headroom (driver free memory, at most every ``free_memory_ttl_s``), sizes
-        the reserve from recent growth and refills or trims it, and publishes a snapshot.
+        Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim: the
+        reserve is returned and not refilled in the same call; either is published at once, as the
+        pool's answer to ``kvctl``), refreshes the physical headroom (driver free memory, at most every
+        ``free_memory_ttl_s``), sizes the reserve from recent growth and refills or trims it, and publishes
+        a snapshot.
         """
         if get_ident() != self._owner:
             self._refuse()
         if self._inflight:
             self._take_in()
         events = self._phys.poll()
+        trimmed = False
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
                 self._apply_limit(self._phys.record_limit())
             if events.trim_requested:
                 self._trim_reserve(0)
+                trimmed = True  # returned now: not refilled by this call (the next steps' demand may)
         self._phys.refresh(force=events is not None and events.limit_changed)
         over = self._phys.over_limit()
         if not over:
@@ -405,12 +416,15 @@ class KVCacheManager(PageBacking):
         ceiling = self._cfg.reserve_max_pages if self._light else target
         if len(self._reserve) > ceiling:
             self._trim_reserve(ceiling)
-        if self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+        if not trimmed and self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
             if self._async:
                 self._refill_async(target - len(self._reserve) - self._inflight_pages)
             else:
                 self._refill_sync(target - len(self._reserve))
-        self._phys.publish(self._snapshot)
+        if events is not None and (events.trim_requested or events.limit_changed):
+            self._phys.publish_now(self._snapshot())  # kvctl waits for the pool's answer
+        else:
+            self._phys.publish(self._snapshot)
 
     def _reserve_goal(self) -> int:
         """Pages the reserve aims at: the policy's target, or its light target after a light step."""
@@ -546,6 +560,12 @@ class KVCacheManager(PageBacking):
     def snapshot(self) -> PoolSnapshot:
         """The pool's statistics now."""
         return self._snapshot()
+
+    def publish(self) -> None:
+        """Publish the pool's statistics to its records now (``kvctl``), outside :meth:`maintain`'s
+        schedule; nothing without a record. Any thread, like :meth:`snapshot`."""
+        if self._phys.shares:
+            self._phys.publish_now(self._snapshot())
 
     def _snapshot(self) -> PoolSnapshot:
         if self._closed:

@@ -8,23 +8,32 @@ plane's ``mapped_bytes``, plus pages being mapped in the background). Three thin
   the shared record);
 * the shared **record** (``elastic_kv.registry.PoolRecord``): ``try_charge`` is atomic across processes
   against the pool limit and the GPU-wide budget, so two engines can never both take the last bytes;
+  a pool whose ranks back every page on several devices (tensor parallelism) has one record per device
+  (:class:`~elastic_kv.registry.DeviceShare`), each charged for the ranks on its device;
 * the **driver's free memory**, less ``min_free_bytes`` left for everything else on the device.
 
 The allocation path must not make system calls or driver calls to *estimate* headroom, so the outside
 headroom (record + driver) is read in :meth:`PhysicalAccount.refresh` -- from the ledger's ``maintain()``, at
 most every ``free_memory_ttl_s`` -- and corrected by the pool's own charges since. Only real growth (a page
 being mapped) pays for ``try_charge``.
+
+Units. The ledger counts the bytes of one rank (``BlockGeometry.page_bytes`` per page): ``charged``,
+``limit`` and ``room()`` are in those units. A share charges its record ``ranks`` times as much -- the bytes
+those ranks really back on that device -- and its record's limit and headroom are divided by ``ranks``.
+Shares are charged in order; if one refuses, those charged before it are returned, so no device ever
+holds a charge past its budget, even for a moment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from elastic_kv.config import ElasticConfig
 
 if TYPE_CHECKING:
-    from elastic_kv.registry import PoolRecord, RecordEvents
+    from elastic_kv.registry import DeviceShare, PoolRecord, RecordEvents
     from elastic_kv.snapshot import PoolSnapshot
 
 __all__ = ["PhysicalAccount"]
@@ -42,11 +51,19 @@ class PhysicalAccount:
         record: PoolRecord | None,
         physical_free: Callable[[], int] | None,
         clock: Callable[[], float],
+        shares: Sequence[DeviceShare] = (),
     ) -> None:
-        self.limit = config.limit_bytes  # 0 = no limit of the pool's own
+        """``shares``: the pool's records with the number of ranks on each device (the first is the
+        primary record); without them, ``record`` alone with one rank."""
         self.charged = 0
         self._cfg = config
-        self._record = record
+        if not shares and record is not None:
+            from elastic_kv.registry import DeviceShare
+
+            shares = (DeviceShare(record, 1),)
+        self._shares = tuple(shares)
+        self._record = self._shares[0].record if self._shares else None
+        self.limit = self.record_limit() if self._shares else config.limit_bytes  # 0 = no limit
         self._physical_free = physical_free
         self._clock = clock
         self._outside = _UNBOUNDED  # headroom outside the pool when last read ...
@@ -78,8 +95,8 @@ class PhysicalAccount:
         if not force and now - self._read_at < self._cfg.free_memory_ttl_s:
             return
         room = _UNBOUNDED
-        if self._record is not None:
-            room = min(room, self._record.headroom_bytes)
+        for share in self._shares:
+            room = min(room, share.record.headroom_bytes // share.ranks)
         if self._physical_free is not None:
             room = min(room, max(0, self._physical_free() - self._cfg.min_free_bytes))
         self._outside = room
@@ -96,9 +113,12 @@ class PhysicalAccount:
         headroom or the shared record refuses."""
         if nbytes > self.room():
             return False
-        if self._record is not None and not self._record.try_charge(nbytes):
-            self.stale()
-            return False
+        for n, share in enumerate(self._shares):
+            if not share.record.try_charge(nbytes * share.ranks):
+                for done in self._shares[:n]:
+                    done.record.uncharge(nbytes * done.ranks)
+                self.stale()
+                return False
         self.charged += nbytes
         return True
 
@@ -106,8 +126,8 @@ class PhysicalAccount:
         """Return ``nbytes`` the data plane released (or never backed)."""
         if nbytes:
             self.charged -= nbytes
-            if self._record is not None:
-                self._record.uncharge(nbytes)
+            for share in self._shares:
+                share.record.uncharge(nbytes * share.ranks)
 
     def observe(self, op: str, seconds: float) -> None:
         """A map or unmap latency sample for the record's histograms."""
@@ -115,18 +135,49 @@ class PhysicalAccount:
             self._record.observe(op, seconds)
 
     def poll(self) -> RecordEvents | None:
-        """What ``kvctl`` changed since the last poll (``None`` without a record)."""
-        return self._record.poll() if self._record is not None else None
+        """What ``kvctl`` changed since the last poll, in any of the pool's records (``None`` without a
+        record, or when nothing changed in a pool with several)."""
+        if len(self._shares) == 1:
+            return self._shares[0].record.poll()
+        if not self._shares:
+            return None
+        from elastic_kv.registry import RecordEvents
+
+        events = [share.record.poll() for share in self._shares]
+        limit = any(e.limit_changed for e in events)
+        trim = any(e.trim_requested for e in events)
+        return RecordEvents(limit_changed=limit, trim_requested=trim) if limit or trim else None
 
     def record_limit(self) -> int:
-        """The limit ``kvctl`` set in the record (0 = none; 0 without a record)."""
-        return self._record.limit_bytes if self._record is not None else 0
+        """The tightest limit ``kvctl`` set in the pool's records, per rank (0 = none, or no record)."""
+        limits = [s.record.limit_bytes // s.ranks for s in self._shares if s.record.limit_bytes]
+        # A limit below one rank's share rounds to 0 bytes, which would read as "no limit": keep 1 byte.
+        return max(1, min(limits)) if limits else 0
 
     def publish(self, snapshot: Callable[[], PoolSnapshot]) -> None:
         """Publish ``snapshot()`` to the record, at most every ``publish_interval_s``."""
-        if self._record is None:
+        if not self._shares:
             return
         now = self._clock()
         if now - self._published_at >= self._cfg.publish_interval_s:
             self._published_at = now
-            self._record.publish(snapshot())
+            self.publish_now(snapshot())
+
+    def publish_now(self, snap: PoolSnapshot) -> None:
+        """Publish ``snap`` to every record now, its byte counts scaled to the ranks on that device."""
+        for share in self._shares:
+            if share.ranks == 1:
+                share.record.publish(snap)
+            else:
+                share.record.publish(
+                    dataclasses.replace(
+                        snap,
+                        mapped_bytes=snap.mapped_bytes * share.ranks,
+                        limit_bytes=share.record.limit_bytes,
+                    )
+                )
+
+    @property
+    def shares(self) -> tuple[DeviceShare, ...]:
+        """The pool's records and the ranks each stands for (empty without a record)."""
+        return self._shares

@@ -15,6 +15,11 @@ mapped in the owner, who holds an exclusive ``flock`` on it until it closes. :me
 device and removes the file. If the owner dies without closing -- SIGKILL, OOM killer -- the next scan
 (``kvctl``, a metrics scrape, the next pool created) or a charge that needs the memory reclaims it.
 
+Several devices. A pool whose ranks back every page on several devices (tensor parallelism over GPUs) has
+one record per device (:func:`create_shares`): the primary one under the pool's name, the others named
+``<name>.r<rank>`` after the first rank on their device; each is charged for the ranks on its device, so
+every device's budget sees the bytes really backed on it.
+
 Names are the pool's own, exactly as given: two pools cannot share one (the second gets ``ConfigError``
 while the first lives) unless the creator asks for a free suffix (``suffix_if_taken``), which is meant for
 names the engine plugin made up, never for a name the user chose.
@@ -23,6 +28,7 @@ names the engine plugin made up, never for a name the user chose.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import mmap
 import os
@@ -32,6 +38,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +63,7 @@ from elastic_kv.registry_layout import (
 from elastic_kv.registry_view import read_record, reclaim_dead_locked
 from elastic_kv.snapshot import PoolSnapshot
 
-__all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
+__all__ = ["UNBOUNDED", "UNLIMITED", "DeviceShare", "PoolRecord", "RecordEvents", "create_shares"]
 
 logger = logging.getLogger(__name__)
 
@@ -383,6 +390,12 @@ class PoolRecord:
         self._seen_revisions, self._seen_budget = revisions, budget_rev
         return events
 
+    def control_revision(self) -> tuple[int, int, int]:
+        """(limit, trim, device budget) revisions now, without consuming them as :meth:`poll` does: a
+        thread other than the pool's owner may watch them to wake an idle engine (no lock, no syscall)."""
+        limit, trim = _REVISIONS.unpack_from(self._map, RecordLayout.limit_revision.offset)
+        return limit, trim, self._budget.budget_revision
+
     # -- statistics -----------------------------------------------------------------------------------
 
     def publish(self, snapshot: PoolSnapshot) -> None:
@@ -473,3 +486,62 @@ def _name_taken_message(directory: Path, name: str, suffixed: bool) -> str:
     except OSError:
         pass
     return f"pool name {name!r} is in use{owner}; choose another name for this pool"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """One of a pool's records: ``ranks`` of the pool's ranks back each of its pages on ``record.device``."""
+
+    record: PoolRecord
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"a device share stands for >= 1 rank, got {self.ranks}")
+
+
+def create_shares(
+    name: str,
+    rank_devices: Sequence[str],
+    *,
+    engine: str,
+    model: str,
+    limit_bytes: int,
+    registry_dir: Path | None = None,
+    device_total_bytes: Mapping[str, int] | None = None,
+    suffix_if_taken: bool = False,
+) -> list[DeviceShare]:
+    """The records of a pool whose rank ``r`` backs every page on device ``rank_devices[r]``.
+
+    One record per distinct device, in the order of their first rank: the first (rank 0's device) is
+    named ``name`` (or a free suffix of it, see :meth:`PoolRecord.create`), the others
+    ``<chosen name>.r<first rank on the device>``. ``limit_bytes`` (bytes of one device) starts on every
+    record; ``device_total_bytes`` gives each device's size where known. Raises like
+    :meth:`PoolRecord.create`; on failure the records created so far are closed.
+    """
+    if not rank_devices:
+        raise ValueError("a pool has at least one rank")
+    counts = collections.Counter(rank_devices)
+    first_rank: dict[str, int] = {}
+    for rank, device in enumerate(rank_devices):
+        first_rank.setdefault(device, rank)
+    totals = device_total_bytes or {}
+    shares: list[DeviceShare] = []
+    try:
+        for device, rank in first_rank.items():
+            record = PoolRecord.create(
+                name if not shares else f"{shares[0].record.name}.r{rank}",
+                device=device,
+                engine=engine,
+                model=model,
+                limit_bytes=limit_bytes,
+                registry_dir=registry_dir,
+                device_total_bytes=totals.get(device, 0),
+                suffix_if_taken=suffix_if_taken and not shares,
+            )
+            shares.append(DeviceShare(record, counts[device]))
+    except BaseException:
+        for share in shares:
+            share.record.close()
+        raise
+    return shares

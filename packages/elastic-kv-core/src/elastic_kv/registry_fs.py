@@ -94,12 +94,16 @@ class RegistryConfig:
         """The directory of :class:`ElasticConfig` (``ELASTIC_KV_REGISTRY_DIR``), else the default.
 
         The default is ``/dev/shm/elastic-kv-<euid>``, or the system temporary directory where ``/dev/shm``
-        does not exist. The environment is read by :meth:`ElasticConfig.from_env` (the one place that reads
-        it), when called -- never at import time.
+        does not exist. Only ``ELASTIC_KV_REGISTRY_DIR`` is read, through :meth:`ElasticConfig.from_env`
+        (the one place that parses the environment), when called -- never at import time; a bad value of
+        another ``ELASTIC_KV_*`` variable concerns the engines, not the registry.
         """
         from elastic_kv.config import ElasticConfig
 
-        explicit = ElasticConfig.from_env(os.environ if environ is None else environ).registry_dir
+        source = os.environ if environ is None else environ
+        # Only the one variable this needs: kvctl must work whatever the engines' other settings say.
+        own = {ENV_REGISTRY_DIR: source[ENV_REGISTRY_DIR]} if ENV_REGISTRY_DIR in source else {}
+        explicit = ElasticConfig.from_env(own).registry_dir
         return cls(explicit) if explicit is not None else cls.default()
 
     @classmethod

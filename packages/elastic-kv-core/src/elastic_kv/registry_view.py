@@ -5,7 +5,9 @@ that owns a pool. Reading is lock-free (``pread`` of each record, retried while 
 statistics); changing a limit or a budget takes the device's lock, so it is ordered with every charge.
 
 Reclaiming: every scan (``pools()``, ``devices()``, a new pool's creation) first removes the records of
-dead owners and returns their charges to the device budget, under the directory-wide lock.
+dead owners and returns their charges to the device budget, under the directory-wide lock. A record file
+that no process owns and that is not a record at all (too short, wrong magic) is never deleted: it is
+renamed ``<name>.pool.corrupt`` with a warning, for a person to inspect.
 """
 
 from __future__ import annotations
@@ -262,6 +264,24 @@ def _release_charge(directory: Path, raw: bytes) -> None:
         budget.close()
 
 
+def _move_aside(path: Path) -> None:
+    """Rename an unreadable, unowned record to ``<name>.pool.corrupt`` (kept for a person to look at)."""
+    target = path.with_name(path.name + ".corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt.{n}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return
+    logger.warning(
+        "pool record %s is not a record elastic-kv can read and no process owns it; moved it to %s",
+        path,
+        target,
+    )
+
+
 def reclaim_dead(config: RegistryConfig) -> list[str]:
     """Remove records whose owners died and return their charges; also free orphaned device slots.
 
@@ -285,8 +305,10 @@ def reclaim_dead_locked(config: RegistryConfig) -> list[str]:
             if not _record_is_dead(fd, namespace):
                 continue
             raw = os.pread(fd, RecordLayout.SIZE, 0)
-            if len(raw) >= RecordLayout.SIZE and RecordLayout.magic.get(raw) == RecordLayout.MAGIC:
-                _release_charge(directory, raw)
+            if len(raw) < RecordLayout.SIZE or RecordLayout.magic.get(raw) != RecordLayout.MAGIC:
+                _move_aside(path)
+                continue
+            _release_charge(directory, raw)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             reclaimed.append(path.stem)

@@ -6,7 +6,8 @@
 
 A bad config stops ``serve`` before anything starts, with one line naming the key (exit status 2). SIGTERM
 or SIGINT drains the server: it stops accepting, lets in-flight requests finish (``drain_timeout_s``), then
-stops every engine and removes their pool records.
+stops every engine and removes their pool records; then it exits by that signal (uvicorn re-raises it, so
+a supervisor sees how it ended).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def probe_sleep_mode(model: ModelConfig, env: Mapping[str, str], timeout_s: floa
     the answer is the platform's, not a guess from this process. SGLang with ``--device cpu`` is ``stop``.
     A probe that fails (engine not installed) raises ``EngineStartError``.
     """
-    if model.engine == "sglang" and "cpu" in _flag_values(model.args, "--device"):
+    if model.engine == "sglang" and "cpu" in flag_values(model.args, "--device"):
         return "stop"
     done = subprocess.run(
         [sys.executable, "-c", _PROBES[model.engine]],
@@ -126,7 +126,8 @@ def probe_sleep_mode(model: ModelConfig, env: Mapping[str, str], timeout_s: floa
     return "engine" if lines[-1] == "1" else "stop"
 
 
-def _flag_values(args: list[str], flag: str) -> list[str]:
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """The values given to ``flag`` in ``args`` (``--flag V`` and ``--flag=V``)."""
     out = []
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):

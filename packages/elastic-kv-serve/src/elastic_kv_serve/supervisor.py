@@ -29,7 +29,14 @@ from elastic_kv.registry_view import Registry
 
 from elastic_kv_serve import memory, policy
 from elastic_kv_serve.config import ServeConfig
-from elastic_kv_serve.engines import EngineProcess, EngineStartError, SleepMode, engine_env, probe_sleep_mode
+from elastic_kv_serve.engines import (
+    EngineProcess,
+    EngineStartError,
+    SleepMode,
+    engine_env,
+    flag_values,
+    probe_sleep_mode,
+)
 from elastic_kv_serve.metrics import ServeMetrics
 from elastic_kv_serve.runtime import HOLDS_WEIGHTS, ModelRuntime, State
 
@@ -91,10 +98,11 @@ class Supervisor:
     def probe_sleep_modes(self) -> None:
         """Decide each model's sleep mode from a probe of its engine's platform (one probe per engine and
         environment); ``EngineStartError`` when an engine cannot be loaded at all."""
-        modes: dict[tuple[str, frozenset[tuple[str, str]], bool], SleepMode] = {}
+        modes: dict[tuple[str, frozenset[tuple[str, str]], tuple[str, ...]], SleepMode] = {}
         for rt in self.models.values():
             env = engine_env(rt.config, self.registry.directory)
-            key = (rt.config.engine, frozenset(rt.config.env.items()), "cpu" in " ".join(rt.config.args))
+            devices = tuple(flag_values(rt.config.args, "--device"))
+            key = (rt.config.engine, frozenset(rt.config.env.items()), devices)
             if key not in modes:
                 modes[key] = probe_sleep_mode(rt.config, env)
             rt.sleep_mode = modes[key]
@@ -193,10 +201,16 @@ class Supervisor:
 
     async def upstream_failed(self, rt: ModelRuntime) -> None:
         """The router lost a request to ``rt``'s engine: if the engine is dead, fail the model now (its
-        other requests get 503 at once) instead of at the monitor's next look."""
+        other requests get 503 at once) instead of at the monitor's next look. A dying process closes its
+        sockets before it can be reaped, so this waits up to a second for the exit."""
         engine = rt.engine
-        if engine is not None and not engine.alive() and rt.state is State.AWAKE:
-            await self._failed(rt, f"engine exited with {engine.proc.returncode}")
+        for _ in range(20):
+            if engine is None or rt.engine is not engine or rt.state is not State.AWAKE:
+                return
+            if not engine.alive():
+                await self._failed(rt, f"engine exited with {engine.proc.returncode}")
+                return
+            await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------------ transitions
 
@@ -218,7 +232,11 @@ class Supervisor:
                     await self._engine_call(rt, _SLEEP_API[rt.config.engine][1])
                 else:
                     await self._cold_start(rt)
-            except (EngineStartError, ModelUnavailable, httpx.HTTPError) as exc:
+            except ModelUnavailable as exc:  # no room in time: it stays asleep, nothing failed
+                self._sync_budget()
+                rt.set_state(State.ASLEEP, str(exc))
+                return
+            except (EngineStartError, httpx.HTTPError) as exc:
                 await self._failed(rt, f"{type(exc).__name__}: {exc}".splitlines()[0])
                 return
             took = time.monotonic() - t0

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
+from sglang_elastic_kv import compat
 from sglang_elastic_kv.pool import ElasticKVPool
 
 __all__ = [
@@ -69,6 +70,7 @@ class ElasticPrefillBudget(PrefillBudget):
 
     def __init__(self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> None:
         super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+        compat.check_instance(self, "sglang.srt.mem_cache.prefill_budget.PrefillBudget")
         # One budget serves one scheduling pass, during which nothing is allocated: read the limit once.
         self._limit_room = allocator.elastic_limit_room()
 
@@ -102,11 +104,14 @@ class ElasticAllocatorMixin:
 
     def elastic_sleep(self) -> None:
         """The engine released its KV memory (``release_memory_occupation``) and is idle: unmap the
-        ledger's reserve and stop idle housekeeping from mapping it again until :meth:`elastic_wake`."""
+        ledger's reserve, release the physical handles the data plane caches for reuse, and stop idle
+        housekeeping from mapping a reserve again until :meth:`elastic_wake`. Only the null page stays."""
         self._asleep = True
         self._ledger.release_through(self._ledger.epoch)
         self._ledger.settle()  # background maps queued so far join the reserve, which trim then unmaps
         self._ledger.trim()
+        released = self._kvcache.elastic.release_cached_handles()
+        logger.info("elastic KV pool asleep: reserve unmapped, %d cached handle bytes released", released)
         self._kvcache.elastic.publish()
 
     def elastic_wake(self) -> None:
@@ -234,6 +239,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         self._grow_step = kvcache.elastic.geometry.blocks_per_page
         self._cap = cap.to(device)
         super().__init__(size, dtype, device, kvcache, need_sort)
+        compat.check_instance(self, "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator")
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -361,6 +367,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             )
         self._owned_pages = 0
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+        compat.check_instance(self, "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator")
 
     def clear(self) -> None:
         """Free every page and give all of them back to the ledger."""

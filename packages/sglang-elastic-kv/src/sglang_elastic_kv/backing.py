@@ -46,11 +46,14 @@ class BufferSpec:
 
 
 def _device_name(dev: torch.device) -> str:
-    """The registry's name for ``dev``: pools on one device share its budget."""
+    """The registry's name for ``dev`` (:func:`elastic_kv.device.device_key`: ``cpu``, or the GPU's UUID),
+    the same name a vLLM engine or another SGLang rank on that device uses, so they share its budget."""
+    from elastic_kv.device import device_key
+
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return f"cuda:{index}"
-    return dev.type
+        return device_key("hip" if torch.version.hip else "cuda", index)
+    return device_key("cpu")
 
 
 def _backend_for(dev: torch.device) -> Any:
@@ -76,8 +79,10 @@ class ElasticBacking:
         ledger: KVCacheManager,
         record: PoolRecord | None,
         buffers: Sequence[BufferSpec],
+        handles: Any = None,
     ) -> None:
         self.spaces = spaces
+        self.handles = handles  # the group's HandlePool: physical handles kept for reuse after unmaps
         self.geometry = geometry
         self.group = group
         self.ledger = ledger
@@ -107,18 +112,23 @@ class ElasticBacking:
         (e.g. a block larger than the largest logical page the config allows).
         """
         from elastic_kv import _vmm
+        from elastic_kv.device import default_min_free_bytes
         from elastic_kv.ledger import KVCacheManager
         from elastic_kv.mapper import LocalMapper
         from elastic_kv.registry import PoolRecord
 
         dev = torch.device(device)
-        # On a GPU, SGLang may still run kernels over blocks freed this step (overlap scheduling): their
-        # pages wait for the allocators' epoch release. The host backend has no asynchronous work.
-        defaults = (
-            {}
-            if dev.type == "cpu" or "ELASTIC_KV_DEFER_RELEASE" in config.pool_environ
-            else {"defer_release": True}
-        )
+        backend = _backend_for(dev)
+        _, total = backend.mem_info()
+        defaults: dict[str, object] = {}
+        if dev.type != "cpu":
+            # SGLang may still run kernels over blocks freed this step (overlap scheduling): their pages
+            # wait for the allocators' epoch release. The host backend has no asynchronous work.
+            if "ELASTIC_KV_DEFER_RELEASE" not in config.pool_environ:
+                defaults["defer_release"] = True
+            # Room for what the engines allocate outside their KV cache during a burst.
+            if "ELASTIC_KV_MIN_FREE" not in config.pool_environ:
+                defaults["min_free_bytes"] = default_min_free_bytes(int(total))
         pool_config = config.pool_config(**defaults)
         geometry = BlockGeometry(
             [b.nbytes for b in buffers],
@@ -127,11 +137,11 @@ class ElasticBacking:
             pool_config.page_size,
             max_page_slots=pool_config.max_page_slots,
         )
-        backend = _backend_for(dev)
         spaces = [_vmm.TensorSpace(backend, size, pool_config.page_size) for size in geometry.space_sizes]
-        handles = _vmm.HandlePool(backend, pool_config.reserve_max_pages * geometry.page_bytes)
+        # No handle cache: an unmapped page's memory goes back to the driver at once, so the pool holds what
+        # it is charged for (plus the zero page); the ledger's mapped reserve spares most map/unmap cycles.
+        handles = _vmm.HandlePool(backend, 0)
         group = _vmm.SpaceGroup(spaces, geometry.extent_tuples(), geometry.num_pages, handles)
-        _, total = backend.mem_info()
         name = pool_config.pool_name or "sglang"
         record = PoolRecord.create(
             f"{name}-{part}" if part else name,
@@ -157,7 +167,13 @@ class ElasticBacking:
             record.close()
             raise
         return cls(
-            spaces=spaces, geometry=geometry, group=group, ledger=ledger, record=record, buffers=buffers
+            spaces=spaces,
+            geometry=geometry,
+            group=group,
+            ledger=ledger,
+            record=record,
+            buffers=buffers,
+            handles=handles,
         )
 
     def view(self, space: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -174,6 +190,11 @@ class ElasticBacking:
     def snapshot(self) -> PoolSnapshot:
         """The ledger's statistics of this pool (physical bytes, used/free blocks, limit ...)."""
         return self.ledger.snapshot()
+
+    def release_cached_handles(self) -> int:
+        """Release every physical handle the data plane keeps for reuse after unmaps (to the driver on a
+        GPU, to the OS on the host); returns the bytes released. Unmapped pages hold no memory after it."""
+        return int(self.handles.trim(0)) if self.handles is not None else 0
 
     def publish(self) -> None:
         """Publish the ledger's statistics to the registry now (``kvctl``), outside its own schedule."""

@@ -8,7 +8,9 @@ parse ``argv`` through ``prepare_server_args``, so two AROUND hooks give the fla
   ``from_cli_args`` then drops it, leaving ``ServerArgs`` exactly as without the plugin.
 * ``prepare_server_args`` reads the option before SGLang parses ``argv`` and exports the choice as
   ``ELASTIC_KV_SGLANG_BACKEND``; the schedulers, spawned later, inherit it and load the plugin enabled.
-  An unsupported SGLang version fails here, before any process is spawned.
+  With the elastic backend (the flag or the variable), an unsupported SGLang version or a bad
+  ``ELASTIC_KV_*`` setting ends the command here, before any process is spawned, with one line on stderr
+  that names it and shows a valid value, and exit status 2 (argparse's, for bad arguments).
 
 These two hooks are installed even when the plugin is not enabled (the flag is how it gets enabled);
 without the flag they change nothing.
@@ -19,17 +21,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sglang_elastic_kv import compat
-from sglang_elastic_kv.config import BACKEND_ENV, BACKENDS
+from elastic_kv.errors import ConfigError
 
-__all__ = ["FLAG", "add_cli_args_around", "parse_backend", "prepare_server_args_around"]
+from sglang_elastic_kv import compat
+from sglang_elastic_kv.config import BACKEND_ENV, BACKENDS, PluginConfig
+
+__all__ = ["EXIT_BAD_SETTING", "FLAG", "add_cli_args_around", "parse_backend", "prepare_server_args_around"]
 
 logger = logging.getLogger(__name__)
 
 FLAG = "--kv-cache-backend"
+EXIT_BAD_SETTING = 2  # argparse's status for bad arguments: a bad setting is one
 _HELP = (
     "KV cache memory backend (sglang-elastic-kv plugin). 'native': SGLang's preallocated KV cache. "
     "'elastic': the same buffers and kernels, backed by memory only while KV entries use it. "
@@ -64,7 +70,14 @@ def prepare_server_args_around(original: Callable[..., Any], argv: Sequence[str]
     backend = parse_backend(argv)
     if backend is not None:
         os.environ[BACKEND_ENV] = backend
-        if backend == "elastic":
-            seams = compat.select(compat.installed_sglang_version())  # ConfigError before any spawn
-            logger.info("elastic KV cache enabled (%s); SGLang seams %s", FLAG, seams.first)
+    try:
+        config = PluginConfig.from_env(os.environ)
+        if config.enabled:
+            config.pool_config()  # every ELASTIC_KV_* setting of the pool, checked before any spawn
+            version = compat.installed_sglang_version()
+            compat.require(version)  # the version and every member the plugin relies on
+            logger.info("elastic KV cache enabled (%s) on sglang %s", FLAG, version)
+    except ConfigError as exc:
+        print(f"sglang-elastic-kv: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_SETTING) from None
     return original(argv, *a, **k)

@@ -1,40 +1,57 @@
-"""Which SGLang versions the plugin supports, and through which seams: one table, nothing else.
+"""Which SGLang versions the plugin supports, and every SGLang member it relies on: one table.
 
-Every version-specific fact lives here. A :class:`Seams` row names the dotted targets the plugin hooks
-for a range of SGLang versions; :func:`select` picks the row for the installed version or raises
-:class:`~elastic_kv.errors.ConfigError` with the reason. ``tests/sglang/test_compat.py`` resolves every
-target of the installed version's row, so a target that moves upstream fails loudly in CI.
+Supported versions are the ones whose engine tests ran end to end (:data:`SUPPORTED`): SGLang 0.5.23.
+Any other version, older or newer, release or post-release, is refused at start-up with one line that
+names it and the supported list (:func:`select`). 0.5.20-0.5.22 consult the platform's pool and allocator
+seams only for out-of-tree platforms or were not run; before 0.5.12 SGLang has no plugin loader at all.
 
-0.5.22 and 0.5.23 consult the platform for the pool class (``get_kv_pool_cls(kind=...)``) and the
-paged allocator class (``get_paged_allocator_cls()``) on every platform, in-tree ones included; the
-one construction site they miss is page_size 1, which builds ``TokenToKVPoolAllocator`` directly
-(the configurator and the SWA allocator's sub-allocators), so the allocator builder is wrapped once.
-0.5.20 and 0.5.21 (both read) consult those platform hooks only for out-of-tree platforms and pick
-``MHATokenToKVPool`` by name inside a configurator method: serving them would mean hooking the in-tree
-pool's buffer creation for every instance of a class that has siblings, which this plugin does not do
-(no small, clean compat entry exists), so they get a clear start-up error. Before 0.5.12 SGLang has no
-plugin loader: the plugin never runs and ``--kv-cache-backend`` is an unknown argument.
+Every SGLang member the plugin hooks, subclasses, overrides, calls or reads is listed here:
+
+* :data:`MEMBERS`: members found on a module or class (methods, functions, classes, constants, declared
+  fields). :func:`check_members` resolves all of them at start-up (``register()`` in every SGLang process,
+  ``prepare_server_args`` in the launcher) and fails with one line naming what is missing and the
+  version. SGLang's ``HookRegistry`` only logs a hook target it cannot resolve, so without this check a
+  moved target would leave the engine silently native or half elastic.
+* :data:`INSTANCE_MEMBERS`: attributes SGLang's constructors set on an instance (no class attribute to
+  resolve); the plugin's subclasses call :func:`check_instance` on themselves while SGLang builds them,
+  i.e. during the scheduler's start-up.
+
+A :class:`Seams` row names the dotted hook targets (``HookRegistry`` paths) for the supported versions.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import re
+import pkgutil
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from elastic_kv.errors import ConfigError
 
-__all__ = ["SEAMS", "Seams", "installed_sglang_version", "parse_version", "select"]
+__all__ = [
+    "INSTANCE_MEMBERS",
+    "MEMBERS",
+    "SEAMS",
+    "SUPPORTED",
+    "Seams",
+    "check_instance",
+    "check_members",
+    "installed_sglang_version",
+    "missing_members",
+    "require",
+    "select",
+]
 
-Version = tuple[int, int, int]
+# The SGLang versions whose engine tests (tests/sglang) ran end to end against this plugin.
+SUPPORTED: tuple[str, ...] = ("0.5.23",)
 
 
 @dataclass(frozen=True)
 class Seams:
-    """The hook targets for SGLang versions ``first <= v < end`` (dotted paths for ``HookRegistry``)."""
+    """The hook targets for the SGLang versions in ``versions`` (dotted paths for ``HookRegistry``)."""
 
-    first: Version
-    end: Version
+    versions: tuple[str, ...]
     # Platform seams: the in-tree platforms (CPU, CUDA, ROCm ...) inherit these from the base class,
     # so one AFTER hook on the base answers for every in-tree platform without choosing the platform.
     kv_pool_cls: str
@@ -53,9 +70,11 @@ class Seams:
     resume_memory: str
     # Fails start-up inside the scheduler when the plugin cannot serve (a stable constructor).
     startup_guard: str
+    # The scheduler's constructor: server arguments the plugin refuses are checked before any worker.
+    scheduler_init: str
 
     def targets(self) -> tuple[str, ...]:
-        """Every dotted target of this row (for the test that resolves them)."""
+        """Every dotted target of this row."""
         return (
             self.kv_pool_cls,
             self.paged_allocator_cls,
@@ -67,17 +86,19 @@ class Seams:
             self.release_memory,
             self.resume_memory,
             self.startup_guard,
+            self.scheduler_init,
         )
 
 
 _PLATFORM = "sglang.srt.platforms.interface.SRTPlatform"
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+_POOLS = "sglang.srt.mem_cache.memory_pool"
+_ALLOC = "sglang.srt.mem_cache.allocator"
 
 SEAMS: tuple[Seams, ...] = (
     Seams(
-        first=(0, 5, 22),
-        end=(0, 6, 0),
+        versions=SUPPORTED,
         kv_pool_cls=f"{_PLATFORM}.get_kv_pool_cls",
         paged_allocator_cls=f"{_PLATFORM}.get_paged_allocator_cls",
         allocator_builder=f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator",
@@ -87,7 +108,8 @@ SEAMS: tuple[Seams, ...] = (
         release_kv_cache="sglang.srt.mem_cache.common.release_kv_cache",
         release_memory=f"{_WEIGHT_UPDATER}.release_memory_occupation",
         resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
-        startup_guard="sglang.srt.mem_cache.memory_pool.KVCache.__init__",
+        startup_guard=f"{_POOLS}.KVCache.__init__",
+        scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
     ),
 )
 
@@ -95,16 +117,173 @@ SEAMS: tuple[Seams, ...] = (
 # when the plugin is not enabled, and they must work on versions the memory hooks do not support so
 # that --kv-cache-backend=elastic can report the unsupported version instead of "unknown argument".
 CLI_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args")
-STARTUP_GUARD = "sglang.srt.mem_cache.memory_pool.KVCache.__init__"
+STARTUP_GUARD = f"{_POOLS}.KVCache.__init__"
 
+# Owner (module or class, dotted) -> the members of it the plugin hooks, subclasses, overrides, calls or
+# reads. Declared fields of dataclasses and msgspec structs resolve on the class; annotated attributes
+# count too.
+MEMBERS: Mapping[str, tuple[str, ...]] = {
+    "sglang.srt.plugins.hook_registry": ("HookRegistry", "HookType"),
+    "sglang.srt.plugins.hook_registry.HookType": ("BEFORE", "AFTER", "AROUND"),
+    "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
+    "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
+    "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
+    _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
+    _CONFIGURATOR: (
+        "_build_token_to_kv_pool_allocator",
+        "configure",
+        "_page_major_enabled",
+        "spec_algorithm",
+        "mambaish_config",
+    ),
+    "sglang.srt.speculative.spec_info.SpeculativeAlgorithm": ("is_none", "NONE"),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult": ("token_to_kv_pool_allocator",),
+    _WEIGHT_UPDATER: ("release_memory_occupation", "resume_memory_occupation"),
+    "sglang.srt.managers.io_struct.ReleaseMemoryOccupationReqInput": ("tags",),
+    "sglang.srt.managers.io_struct.ResumeMemoryOccupationReqInput": ("tags",),
+    "sglang.srt.constants": ("GPU_MEMORY_TYPE_KV_CACHE",),
+    "sglang.srt.mem_cache.common": ("release_kv_cache",),
+    _POOLS: ("KVCache", "MHATokenToKVPool", "MLATokenToKVPool"),
+    f"{_POOLS}.KVCache": ("__init__",),
+    f"{_POOLS}.MHATokenToKVPool": ("_create_buffers", "_create_buffers_normal", "_kv_buffer_shapes"),
+    f"{_POOLS}.MLATokenToKVPool": ("_create_buffers",),
+    "sglang.srt.mem_cache.swa_memory_pool": ("SWAKVPool",),
+    f"{_ALLOC}.base.BaseTokenToKVPoolAllocator": (
+        "get_kvcache",
+        "free_group_begin",
+        "free_group_end",
+        "merge_and_sort_free",
+        "verify_byte_accounting",
+        "create_prefill_budget",
+        "evict_to_free_tokens",
+        "check_decode_capacity",
+    ),
+    f"{_ALLOC}.token": ("TokenToKVPoolAllocator",),
+    f"{_ALLOC}.token.TokenToKVPoolAllocator": ("__init__", "clear", "available_size", "alloc", "free"),
+    f"{_ALLOC}.paged": ("PagedTokenToKVPoolAllocator",),
+    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator": (
+        "__init__",
+        "clear",
+        "available_size",
+        "alloc",
+        "alloc_extend",
+        "alloc_decode",
+        "merge_and_sort_free",
+        "_release_page_ids",
+    ),
+    f"{_ALLOC}.swa": ("SWATokenToKVPoolAllocator", "PureSWATokenToKVPoolAllocator"),
+    f"{_ALLOC}.swa.SWATokenToKVPoolAllocator": (
+        "__init__",
+        "size_full",
+        "size_swa",
+        "new_pages_available",
+        "alloc",
+        "alloc_extend",
+        "alloc_extend_swa_tail",
+        "alloc_decode",
+        "free_group_begin",
+        "free_group_end",
+        "create_prefill_budget",
+        "evict_to_free_tokens",
+        "check_decode_capacity",
+        "verify_byte_accounting",
+    ),
+    f"{_ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
+        "__init__",
+        "alloc",
+        "free",
+        "free_group_begin",
+        "free_group_end",
+        "clear",
+        "create_prefill_budget",
+        "swa_available_size",
+        "size_swa",
+        "get_kvcache",
+    ),
+    "sglang.srt.mem_cache.prefill_budget": ("PrefillBudget", "SWAPrefillBudget"),
+    "sglang.srt.mem_cache.prefill_budget.PrefillBudget": ("__init__", "_available_and_evictable"),
+    "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget": ("_available_and_evictable", "remaining_swa"),
+    "sglang.srt.mem_cache.base_prefix_cache": ("EvictParams", "BasePrefixCache"),
+    "sglang.srt.mem_cache.base_prefix_cache.EvictParams": ("num_tokens", "swa_num_tokens"),
+    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache": (
+        "token_to_kv_pool_allocator",
+        "supports_prefix_sharing",
+        "evict",
+        "evictable_size",
+        "full_evictable_size",
+        "swa_evictable_size",
+    ),
+    "sglang.srt.utils": ("get_num_new_pages",),
+}
 
-def parse_version(text: str) -> Version:
-    """``"0.5.23"``, ``"0.5.23.post1"``, ``"0.5.24rc0"`` -> ``(0, 5, 23|24)``; ValueError otherwise."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        raise ValueError(f"not a version: {text!r}")
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
+# Class (dotted) -> attributes its constructor sets on every instance, read by the plugin. Checked by
+# :func:`check_instance` on the plugin's own subclasses (and on the SGLang objects they are handed).
+INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
+    f"{_POOLS}.MHATokenToKVPool": (
+        "size",
+        "page_size",
+        "device",
+        "layer_num",
+        "store_dtype",
+        "allocation_label",
+        "is_quantized_kv_cache",
+        "post_capture_active",
+        "kv_cache_layout",
+        "memory_saver_adapter",
+        "enable_custom_mem_pool",
+    ),
+    f"{_POOLS}.MLATokenToKVPool": (
+        "size",
+        "page_size",
+        "device",
+        "layer_num",
+        "store_dtype",
+        "allocation_label",
+        "kv_cache_dim",
+        "memory_saver_adapter",
+        "custom_mem_pool",
+    ),
+    "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool": ("full_kv_pool", "swa_kv_pool"),
+    f"{_ALLOC}.token.TokenToKVPoolAllocator": (
+        "size",
+        "dtype",
+        "device",
+        "need_sort",
+        "free_pages",
+        "release_pages",
+        "free_group",
+    ),
+    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator": (
+        "size",
+        "page_size",
+        "num_pages",
+        "device",
+        "need_sort",
+        "free_pages",
+        "num_staged_pages",
+    ),
+    f"{_ALLOC}.swa.SWATokenToKVPoolAllocator": (
+        "page_size",
+        "dtype",
+        "device",
+        "need_sort",
+        "full_attn_allocator",
+        "swa_attn_allocator",
+        "_swa_req_ring",
+        "_req_to_token_pool",
+    ),
+    f"{_ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
+        "page_size",
+        "dtype",
+        "device",
+        "need_sort",
+        "swa_attn_allocator",
+        "full_attn_allocator",
+        "free_group",
+    ),
+    "sglang.srt.mem_cache.prefill_budget.PrefillBudget": ("allocator", "tree_cache"),
+    "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget": ("swa_offset",),
+}
 
 
 def installed_sglang_version() -> str:
@@ -115,21 +294,67 @@ def installed_sglang_version() -> str:
         raise ConfigError("the SGLang plugin is enabled but sglang is not installed") from None
 
 
+def _supported_text() -> str:
+    return ", ".join(SUPPORTED)
+
+
 def select(version: str) -> Seams:
-    """The :class:`Seams` row serving SGLang ``version``; ConfigError naming the supported range otherwise."""
-    parsed = parse_version(version)
+    """The :class:`Seams` row serving SGLang ``version`` (exactly one of :data:`SUPPORTED`); ConfigError
+    naming the version and the supported list otherwise."""
     for row in SEAMS:
-        if row.first <= parsed < row.end:
+        if version.strip() in row.versions:
             return row
-    supported = ", ".join(f">={'.'.join(map(str, r.first))},<{'.'.join(map(str, r.end))}" for r in SEAMS)
-    if parsed < SEAMS[0].first:
-        why = (
-            "it builds its KV pools without consulting the platform's pool and allocator seams "
-            "(get_kv_pool_cls / get_paged_allocator_cls) on in-tree platforms"
-        )
-    else:
-        why = "this plugin has not been verified against it"
     raise ConfigError(
-        f"--kv-cache-backend=elastic does not support sglang {version}: {why}. Supported: {supported}. "
-        f"Install a supported sglang or run with --kv-cache-backend=native."
+        f"--kv-cache-backend=elastic does not support sglang {version}: supported {_supported_text()} "
+        "(the versions its engine tests ran); install one of them or use --kv-cache-backend=native"
     )
+
+
+def _has(owner: Any, name: str) -> bool:
+    if hasattr(owner, name):
+        return True
+    mro = owner.__mro__ if isinstance(owner, type) else ()
+    return any(name in getattr(cls, "__annotations__", {}) for cls in mro)
+
+
+def missing_members() -> list[str]:
+    """The dotted names of :data:`MEMBERS` that the installed SGLang lacks (imports their owners)."""
+    missing: list[str] = []
+    for owner_name, names in MEMBERS.items():
+        try:
+            owner = pkgutil.resolve_name(owner_name)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(owner_name)
+            continue
+        missing += [f"{owner_name}.{name}" for name in names if not _has(owner, name)]
+    return missing
+
+
+def check_members(version: str) -> None:
+    """Raise ConfigError (one line: the version and every missing member) unless the installed SGLang
+    has every member of :data:`MEMBERS`."""
+    missing = missing_members()
+    if missing:
+        raise ConfigError(
+            f"--kv-cache-backend=elastic: sglang {version} lacks {', '.join(missing)}, which the plugin "
+            f"relies on (supported: {_supported_text()})"
+        )
+
+
+def require(version: str) -> Seams:
+    """:func:`select` and :func:`check_members` for ``version``: the row to hook, or ConfigError."""
+    seams = select(version)
+    check_members(version)
+    return seams
+
+
+def check_instance(obj: Any, owner: str) -> None:
+    """Raise ConfigError (one line) unless ``obj`` carries every attribute :data:`INSTANCE_MEMBERS` lists
+    for the SGLang class ``owner`` (dotted), which SGLang's constructor sets."""
+    missing = [name for name in INSTANCE_MEMBERS[owner] if not hasattr(obj, name)]
+    if missing:
+        version = installed_sglang_version()
+        raise ConfigError(
+            f"--kv-cache-backend=elastic: sglang {version}'s {owner} instances lack "
+            f"{', '.join(missing)}, which the plugin relies on (supported: {_supported_text()})"
+        )

@@ -11,14 +11,20 @@
    allocator; the plain allocator SGLang built is swapped for the elastic one over the same pool
    (``SWATokenToKVPoolAllocator`` for :class:`~sglang_elastic_kv.swa.ElasticSWATokenToKVPoolAllocator`,
    built with the same arguments, whose sub-allocators are elastic at every page size). Then the result is
-   checked: an allocator kind the plugin does not serve (all-sliding pure SWA, HiSparse, page interleave,
-   DeepSeek-V4 ...) or a non-elastic pool under it fails start-up with ConfigError.
+   checked: an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or
+   a non-elastic pool under it fails start-up with ConfigError. The all-sliding
+   ``PureSWATokenToKVPoolAllocator`` becomes :class:`~sglang_elastic_kv.pure_swa.ElasticPureSWAAllocator`.
+   Speculative decoding (any ``--speculative-algorithm``) and Mamba / hybrid-linear models are refused
+   here (:func:`refuse_speculative`, :func:`refuse_state_pools`); speculative decoding already by a
+   BEFORE hook on ``Scheduler.__init__`` (:func:`refuse_unserved_before`), since SGLang builds the draft
+   worker before the KV pools.
 4. ``KVCacheConfigurator.configure`` (AFTER): the configured allocator must be elastic and the layout one
    the elastic pool reproduces; a path that bypassed the seams (``--enable-unified-memory`` builds its
    pools elsewhere) or asked for the page-major layout fails start-up instead of running native.
 5. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
-   release (``clear()`` returns every block); the hook also puts the pool to sleep, so that its idle
-   housekeeping does not map a reserve again until ``resume``.
+   release (``clear()`` returns every block); the hook also puts the pools the configurator returned
+   in this process (4. records them) to sleep, so that their idle housekeeping does not map a reserve
+   again until ``resume``.
 6. ``release_kv_cache`` (AFTER): after a request's KV row went to the prefix cache, the cache gives back
    what the pool cannot keep, through its own ``evict`` (any tree cache: ``UnifiedRadixCache``, the engine
    default, and ``RadixCache`` alike): everything evictable while the pool is over its limit (``kvctl``
@@ -41,11 +47,15 @@ __all__ = ["install"]
 
 logger = logging.getLogger(__name__)
 
+# The elastic allocators this process's configurator returned (one per scheduler; sleep/wake reach them).
+_configured: list[Any] = []
+
 
 def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -> None:
     """Register the memory hooks of ``seams`` with SGLang's ``HookRegistry`` (applied by SGLang)."""
     registry.register(seams.kv_pool_cls, kv_pool_cls_after, hook_type.AFTER)
     registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
+    registry.register(seams.scheduler_init, refuse_unserved_before, hook_type.BEFORE)
     registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
     registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
     registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
@@ -87,28 +97,75 @@ def paged_allocator_cls_after(result: type | None, platform: Any, *args: Any, **
 def is_elastic_allocator(allocator: Any) -> bool:
     """Whether ``allocator`` is one of the plugin's (token, paged, or the SWA composite over them)."""
     from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
     from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
-    return isinstance(allocator, (ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator))
+    return isinstance(
+        allocator, (ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator, ElasticPureSWAAllocator)
+    )
+
+
+def refuse_speculative(algorithm: str | None) -> None:
+    """ConfigError when speculative decoding (``--speculative-algorithm``, by name) is asked for.
+
+    A draft model's worker builds its own KV pool (elastic, through the platform seam) but shares the
+    target's allocator, which backs only the target pool's pages: the draft would write KV to unbacked
+    memory. NGRAM has no draft pool, but its verify step needs kernels that SGLang 0.5.23's CPU engine
+    lacks (``sgl_kernel.speculative``), so no test here can run it against elastic KV.
+    """
+    if algorithm and algorithm.upper() != "NONE":
+        raise ConfigError(
+            f"--kv-cache-backend=elastic does not serve speculative decoding (--speculative-algorithm "
+            f"{algorithm}): a draft model's KV pool would not be backed by the target's allocator it shares, "
+            "and no verify path was run with elastic KV; use --kv-cache-backend=native"
+        )
+
+
+def refuse_unserved_before(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE ``Scheduler.__init__``: refuse what the server arguments already show is not served, before
+    the scheduler builds workers (SGLang builds a speculative draft worker before the KV pools)."""
+    refuse_speculative(server_args.speculative_algorithm)
+
+
+def refuse_state_pools(mambaish_config: Any) -> None:
+    """ConfigError for Mamba / hybrid-linear models (``mambaish_config`` is SGLang's, None for others):
+    their per-request conv and SSM state lives in SGLang's ``HybridReqToTokenPool`` (``MambaPool``),
+    which this plugin does not make elastic, so it would stay preallocated beside an elastic KV pool."""
+    if mambaish_config is not None:
+        raise ConfigError(
+            "--kv-cache-backend=elastic does not serve Mamba / hybrid-linear models "
+            f"({type(mambaish_config).__name__}): their conv and SSM state pool (HybridReqToTokenPool) is "
+            "not elastic; use --kv-cache-backend=native"
+        )
 
 
 def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
     """Build SGLang's allocator, make it elastic where SGLang built an in-tree allocator directly, and
     refuse what is not served."""
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
     from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
     from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
-    reused = kwargs.get("token_to_kv_pool_allocator") is not None  # a draft worker shares the target's
+    spec = configurator.spec_algorithm
+    refuse_speculative(None if spec.is_none() else str(spec.name))
+    refuse_state_pools(configurator.mambaish_config)
     allocator = original(configurator, *args, **kwargs)
-    if reused:
-        return allocator
 
     if type(allocator) is TokenToKVPoolAllocator:
         allocator = ElasticTokenToKVPoolAllocator(
             allocator.size, allocator.dtype, allocator.device, allocator.get_kvcache(), allocator.need_sort
+        )
+    elif type(allocator) is PureSWATokenToKVPoolAllocator:
+        allocator = ElasticPureSWAAllocator(
+            allocator.size_swa,
+            allocator.page_size,
+            allocator.dtype,
+            allocator.device,
+            allocator.get_kvcache(),
+            allocator.need_sort,
         )
     elif type(allocator) is SWATokenToKVPoolAllocator:
         # SGLang built it with plain page_size-1 sub-allocators (or elastic paged ones via the platform
@@ -128,7 +185,8 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
             f"--kv-cache-backend=elastic does not serve SGLang's {type(allocator).__name__} "
             f"(KV pool {type(allocator.get_kvcache()).__name__}); supported: "
             f"{ElasticTokenToKVPoolAllocator.__name__}, {ElasticPagedTokenToKVPoolAllocator.__name__} "
-            f"over an MHA or MLA pool, {ElasticSWATokenToKVPoolAllocator.__name__} over a hybrid SWA pool"
+            f"over an MHA or MLA pool, {ElasticSWATokenToKVPoolAllocator.__name__} over a hybrid SWA pool, "
+            f"{ElasticPureSWAAllocator.__name__} over an all-sliding one"
         )
     kvcache: Any = allocator.get_kvcache()
     logger.info("elastic KV allocator: %s over %s", type(allocator).__name__, type(kvcache).__name__)
@@ -148,34 +206,30 @@ def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs
             f"--kv-cache-backend=elastic: SGLang configured {type(allocator).__name__} without the platform "
             "seams this plugin serves (e.g. --enable-unified-memory); use --kv-cache-backend=native"
         )
+    if not any(allocator is known for known in _configured):  # record each allocator once
+        _configured.append(allocator)
 
 
 def _kv_tags(recv_req: Any) -> bool:
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 
-    tags = getattr(recv_req, "tags", None)
+    tags = recv_req.tags
     return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags  # None or empty = every tag, as SGLang reads it
 
 
-def _elastic_allocator(updater: Any) -> Any:
-    scheduler = getattr(updater, "scheduler", None)
-    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
-    return allocator if is_elastic_allocator(allocator) else None
-
-
 def release_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
-    """After SGLang released the KV cache (its flush gave every block back): unmap the reserve too and
-    keep it unmapped until resume."""
-    allocator = _elastic_allocator(updater)
-    if allocator is not None and _kv_tags(recv_req):
-        allocator.elastic_sleep()
+    """After SGLang released the KV cache (its flush gave every block back): unmap the reserve of every
+    elastic allocator this process configured, and keep it unmapped until resume."""
+    if _kv_tags(recv_req):
+        for allocator in _configured:
+            allocator.elastic_sleep()
 
 
 def resume_memory_after(result: Any, updater: Any, recv_req: Any, *a: Any, **k: Any) -> None:
-    """After SGLang resumed the KV cache: the pool maps on demand again (nothing to restore)."""
-    allocator = _elastic_allocator(updater)
-    if allocator is not None and _kv_tags(recv_req):
-        allocator.elastic_wake()
+    """After SGLang resumed the KV cache: the pools map on demand again (nothing to restore)."""
+    if _kv_tags(recv_req):
+        for allocator in _configured:
+            allocator.elastic_wake()
 
 
 def release_kv_cache_after(
@@ -188,7 +242,7 @@ def release_kv_cache_after(
     if tree_cache is None or not tree_cache.supports_prefix_sharing():
         return None
     evictable = int(tree_cache.evictable_size())
-    allocator: Any = getattr(tree_cache, "token_to_kv_pool_allocator", None)
+    allocator: Any = tree_cache.token_to_kv_pool_allocator
     if evictable and is_elastic_allocator(allocator) and allocator.elastic_over_limit():
         excess = evictable
     else:

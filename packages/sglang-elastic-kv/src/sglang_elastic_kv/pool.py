@@ -31,6 +31,7 @@ from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from sglang_elastic_kv import compat
 from sglang_elastic_kv.backing import BufferSpec, ElasticBacking
 from sglang_elastic_kv.config import PluginConfig
 
@@ -44,14 +45,19 @@ class ElasticKVPool:
 
     elastic: ElasticBacking | None = None
     plugin_config: PluginConfig | None = None
+    allocation_label: str | None  # set by SGLang's KVCache constructor
     # Token slots one ledger block covers (the page size, or the token chunk at page_size 1).
     rows_per_block: int = 0
     # The in-tree method that carves this pool's buffers (the seam overridden below), for error messages.
     _carving_method: str = ""
 
+    # A sub-pool of no layers (the full-attention side of an all-sliding model) holds no memory at all:
+    # SGLang builds its empty buffer lists and no elastic storage is reserved.
+    no_layers: bool = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.elastic is None:
+        if self.elastic is None and not self.no_layers:
             # SGLang built the buffers without calling the method we override: its carving moved.
             raise ConfigError(
                 f"SGLang did not build the KV buffers through {self._carving_method}; "
@@ -70,7 +76,7 @@ class ElasticKVPool:
     def _part(self) -> str | None:
         # SGLang labels the sub-pools of a composite ("Full" / "SWA" in SWAKVPool); a standalone pool has
         # no label. The label tells the registry records of one engine's pools apart.
-        label = getattr(self, "allocation_label", None)
+        label = self.allocation_label
         return str(label).lower() if label else None
 
     def _refuse_unless_plain(self, *, what: str, checks: dict[str, bool]) -> None:
@@ -88,6 +94,7 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
     _carving_method = "MHATokenToKVPool._create_buffers_normal"
 
     def _create_buffers(self) -> None:
+        compat.check_instance(self, "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool")
         self._refuse_unless_plain(
             what="MHA KV pool",
             checks={
@@ -101,6 +108,10 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
         super()._create_buffers()
 
     def _create_buffers_normal(self) -> None:
+        if self.layer_num == 0:
+            self.no_layers = True
+            super()._create_buffers_normal()  # empty K and V lists
+            return
         config, rows, rpb = self._elastic_setup(self.size, self.page_size)
         k_shape, v_shape = self._kv_buffer_shapes()
         item = self.store_dtype.itemsize
@@ -158,6 +169,7 @@ class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
     _carving_method = "MLATokenToKVPool._create_buffers"
 
     def _create_buffers(self) -> None:
+        compat.check_instance(self, "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool")
         self._refuse_unless_plain(
             what="MLA KV pool",
             checks={

@@ -23,8 +23,9 @@ free groups, SWA eviction, its kernels); what changes:
 * SGLang opens free groups on the composite, which forwards them to the full side only; the SWA side's
   ledger gets its step housekeeping (release epoch, reserve, ``kvctl`` limit, snapshot) from here.
 
-Not served (ConfigError at start-up): the all-sliding ``PureSWATokenToKVPoolAllocator``, the per-request
-SWA ring (DeepSeek-V4-style pools) and sub-pools that are not elastic MHA pools (MLA-SWA hybrids).
+All-sliding models (SGLang's ``PureSWATokenToKVPoolAllocator``) are served by
+:mod:`sglang_elastic_kv.pure_swa`. Not served (ConfigError at start-up): the per-request SWA ring
+(DeepSeek-V4-style pools) and sub-pools that are not elastic MHA pools (MLA-SWA hybrids).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.utils import get_num_new_pages
 
+from sglang_elastic_kv import compat
 from sglang_elastic_kv.allocators import (
     ElasticAllocatorMixin,
     ElasticPagedTokenToKVPoolAllocator,
@@ -56,15 +59,27 @@ logger = logging.getLogger(__name__)
 
 class ElasticSWAPrefillBudget(SWAPrefillBudget):
     """SGLang's SWA admission budget over what each side can back now, evictable cached tokens counted
-    only up to each pool's limit (:func:`~sglang_elastic_kv.allocators.room_after_eviction`)."""
+    only up to each pool's limit (:func:`~sglang_elastic_kv.allocators.room_after_eviction`). With
+    ``all_swa`` (an all-sliding model, one pool) both faces are the SWA side's, as in SGLang's budget."""
 
-    def __init__(self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> None:
-        super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+    def __init__(
+        self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0, all_swa: bool = False
+    ) -> None:
+        super().__init__(
+            allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens, all_swa=all_swa
+        )
+        compat.check_instance(self, "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget")
         # One budget serves one scheduling pass, during which nothing is allocated: read the limits once.
         self._full_limit_room = allocator.full_attn_allocator.elastic_limit_room()
         self._swa_limit_room = allocator.swa_attn_allocator.elastic_limit_room()
 
     def _available_and_evictable(self) -> int:
+        if self.all_swa:  # an all-sliding model: the one pool is the SWA side
+            return room_after_eviction(
+                self.allocator.elastic_swa_available_size(),
+                self.tree_cache.swa_evictable_size(),
+                self._swa_limit_room,
+            )
         return room_after_eviction(
             self.allocator.elastic_full_available_size(),
             self.tree_cache.full_evictable_size(),
@@ -101,13 +116,19 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         req_to_token_pool: Any = None,
     ) -> None:
         super().__init__(size, size_swa, page_size, dtype, device, kvcache, need_sort, req_to_token_pool)
+        compat.check_instance(self, "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator")
         if self._swa_req_ring:
             raise ConfigError(
                 "--kv-cache-backend=elastic does not serve a per-request SWA ring pool "
                 f"({type(kvcache).__name__}); use --kv-cache-backend=native"
             )
-        for part in ("full_kv_pool", "swa_kv_pool"):
-            pool = getattr(kvcache, part, None)
+        if not isinstance(kvcache, SWAKVPool):
+            raise ConfigError(
+                f"--kv-cache-backend=elastic serves hybrid SWA models over SGLang's SWAKVPool, not "
+                f"{type(kvcache).__name__}; use --kv-cache-backend=native"
+            )
+        compat.check_instance(kvcache, "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool")
+        for part, pool in (("full_kv_pool", kvcache.full_kv_pool), ("swa_kv_pool", kvcache.swa_kv_pool)):
             if not isinstance(pool, ElasticMHATokenToKVPool):
                 raise ConfigError(
                     f"--kv-cache-backend=elastic serves hybrid SWA models over elastic MHA sub-pools; this "

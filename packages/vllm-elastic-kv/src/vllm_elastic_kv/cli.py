@@ -10,6 +10,11 @@ vLLM offers plugins no way to add a command-line option. The least invasive rout
 * ``EngineArgs.from_cli_args`` copies only dataclass fields, so the parsed flag would be dropped: a wrapper
   moves it into ``additional_config["kv_cache_backend"]`` -- vLLM's official channel for out-of-tree
   options, which reaches the engine core and every worker inside ``VllmConfig``.
+* The same wrapper resolves the plugin's settings (flag, ``additional_config``, ``ELASTIC_KV_*``) right
+  there, in the front end before any engine process exists: a bad setting ends the command with one line
+  on stderr that names it and shows a valid value, and exit status 2 (argparse's, for bad arguments),
+  instead of a traceback from the engine core seconds later. ``LLM(...)`` callers never pass here; they
+  get the same :class:`~elastic_kv.errors.ConfigError` from ``create_engine_config``.
 
 Rejected: a platform plugin's ``pre_register_and_update(parser)`` sees the parser too, but only the one
 active platform is called, so the package would have to *become* the platform (replacing CUDA's or CPU's);
@@ -19,19 +24,22 @@ an argparse action that writes the environment would hide the choice from ``Vllm
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from elastic_kv.errors import ConfigError
 
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.config import BACKEND_KEY, Backend
+from vllm_elastic_kv.config import BACKEND_KEY, Backend, PluginConfig
 
-__all__ = ["FLAG", "GROUP_TITLE", "add_arguments", "merge_backend", "patches"]
+__all__ = ["EXIT_BAD_SETTING", "FLAG", "GROUP_TITLE", "add_arguments", "merge_backend", "patches"]
 
 FLAG = "--kv-cache-backend"
 GROUP_TITLE = "ElasticKV"
 _DEST = "kv_cache_backend"
+EXIT_BAD_SETTING = 2  # argparse's status for bad arguments: a bad setting is one
 
 _HELP = (
     "Where the KV cache lives. 'native': vLLM's own cache, preallocated at start-up. 'elastic' "
@@ -87,8 +95,13 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: Any, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
         engine_args = original(cls, args, *rest, **kwargs)
         backend = getattr(args, _DEST, None)
-        if backend is not None:
-            engine_args.additional_config = merge_backend(engine_args.additional_config, backend)
+        try:
+            if backend is not None:
+                engine_args.additional_config = merge_backend(engine_args.additional_config, backend)
+            PluginConfig.resolve(engine_args.additional_config, os.environ)
+        except ConfigError as exc:
+            print(f"vllm-elastic-kv: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_BAD_SETTING) from None
         return engine_args
 
     return from_cli_args

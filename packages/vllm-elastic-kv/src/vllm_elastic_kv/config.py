@@ -11,11 +11,12 @@ Everything the plugin reads comes through :meth:`PluginConfig.resolve`, in this 
 
 Pool settings are :class:`elastic_kv.config.ElasticConfig` fields: ``ELASTIC_KV_*`` environment variables,
 overridden by ``additional_config["elastic_kv"]`` (a dict of field names; sizes may be strings such as
-``"2M"``). On GPUs two of them, when the user sets neither source (:data:`AUTO_SIZED`), are sized to the
-model and the engine instead of taking the core's defaults: the slot size (``page_size``,
-:func:`vllm_elastic_kv.layout.pool_geometry`) and the minimum reserve (``reserve_min_pages``, one scheduler
-step's pages, :func:`vllm_elastic_kv.layout.reserve_min_pages`). Two settings are the plugin's own (same two
-sources):
+``"2M"``). On GPUs three of them, when the user sets neither source (:data:`AUTO_SIZED`), are sized to the
+model, the engine and the device instead of taking the core's defaults: the slot size (``page_size``,
+:func:`vllm_elastic_kv.layout.pool_geometry`), the minimum reserve (``reserve_min_pages``, one scheduler
+step's pages, :func:`vllm_elastic_kv.layout.reserve_min_pages`) and the headroom kept free on each GPU
+(``min_free_bytes``, :func:`elastic_kv.device.default_min_free_bytes`). Two settings are the plugin's
+own (same two sources):
 
 * ``capacity_bytes`` / ``ELASTIC_KV_CAPACITY`` -- the KV cache's virtual capacity when
   ``--kv-cache-memory-bytes`` is not given (which always wins); 0 = vLLM's own sizing;
@@ -63,7 +64,7 @@ _PLUGIN_OPTIONS = {"capacity_bytes": f"{ENV_PREFIX}CAPACITY", "idle_cache_bytes"
 # Plugin-level environment variables: kept away from ElasticConfig.from_env, which warns on unknown names.
 _PLUGIN_ENV = frozenset({BACKEND_ENV, *_PLUGIN_OPTIONS.values()})
 # ElasticConfig fields that the plugin sizes on GPUs unless the user sets them -> their variable's suffix.
-AUTO_SIZED = {"page_size": "PAGE_SIZE", "reserve_min_pages": "RESERVE_MIN"}
+AUTO_SIZED = {"page_size": "PAGE_SIZE", "reserve_min_pages": "RESERVE_MIN", "min_free_bytes": "MIN_FREE"}
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SIZE_FIELDS = frozenset({"page_size", "limit_bytes", "min_free_bytes"})
 

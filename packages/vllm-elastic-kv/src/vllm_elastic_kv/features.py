@@ -1,58 +1,107 @@
 """Model features the elastic backend serves, checked at start-up from the engine's ``KVCacheConfig``.
 
-Served: decoder-only models whose KV cache is one group of full attention (``FullAttentionSpec``), in any
-of vLLM's KV cache layouts and dtypes -- the tensors the attention backend uses are vLLM's own views, and
-the geometry is derived from them.
+vLLM describes a model's KV cache as groups of layers, each with one ``KVCacheSpec`` type and its own block
+table, all drawing block ids from one shared ``BlockPool`` (the hybrid allocator; a plain model has one
+group). The groups' ``KVCacheTensor``\\ s overlay the same bytes, so a block id addresses one block of
+memory whichever group holds it, and the pool's geometry -- the union of every group's bytes -- gives each
+ledger page every byte its block ids can reach in any group. What differs between families is only which
+blocks the groups take and give back (a sliding-window group drops the blocks that left its window), and
+that reaches the pool through vLLM's own ``get_new_blocks`` / ``free_blocks``.
 
-Refused with a ConfigError naming the feature (not run on this project's CPU CI, so not claimed):
-several KV cache groups (hybrid models), sliding-window or chunked-local attention, MLA, Mamba and other
-state-space layers, cross-attention, sink attention, quantized-KV spec variants, and layers that share
-another layer's KV cache. The geometry layer itself handles MLA latents and overlaid groups; what is
-missing is engine-level testing, so the plugin says so instead of guessing.
+:data:`SPECS` lists every spec type the plugin knows: served ones are proven on a real engine by a test in
+``tests/vllm`` (the package README's support table names it); refused ones fail at start-up with one
+:class:`~elastic_kv.errors.ConfigError` naming each feature. A spec type not listed is refused by name.
+Spec types are matched exactly, not by subclass: ``MLAAttentionSpec`` subclasses ``FullAttentionSpec``
+and must not pass as it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_kv.errors import ConfigError
 
-__all__ = ["SUPPORTED_SPECS", "check_model", "unsupported_model_features"]
+__all__ = [
+    "SPECS",
+    "SpecSupport",
+    "attention_sink_layers",
+    "check_model",
+    "describe_groups",
+    "unsupported_model_features",
+]
 
-SUPPORTED_SPECS = frozenset({"FullAttentionSpec"})
 
-_NAMES = {
-    "SlidingWindowSpec": "sliding-window attention",
-    "ChunkedLocalAttentionSpec": "chunked local attention",
-    "MLAAttentionSpec": "MLA (multi-head latent attention)",
-    "MambaSpec": "Mamba / state-space layers",
-    "CrossAttentionSpec": "cross-attention (encoder-decoder)",
-    "SinkFullAttentionSpec": "attention sinks",
-    "EncoderOnlyAttentionSpec": "encoder-only attention",
+@dataclass(frozen=True, slots=True)
+class SpecSupport:
+    """What the plugin does with one vLLM ``KVCacheSpec`` type: ``feature`` names it for users."""
+
+    feature: str
+    served: bool
+
+
+SPECS: dict[str, SpecSupport] = {
+    "FullAttentionSpec": SpecSupport("full attention", served=True),
+    "SlidingWindowSpec": SpecSupport("sliding-window attention", served=True),
+    "ChunkedLocalAttentionSpec": SpecSupport("chunked local attention", served=False),
+    "MLAAttentionSpec": SpecSupport("MLA (multi-head latent attention)", served=False),
+    "MambaSpec": SpecSupport("Mamba / linear-attention state", served=False),
+    "SinkFullAttentionSpec": SpecSupport("static sink tokens in the KV cache", served=False),
+    "SlidingWindowMLASpec": SpecSupport("sliding-window MLA", served=False),
+    "RSWASpec": SpecSupport("reverse sliding-window attention", served=False),
+    "CircularBufferSpec": SpecSupport("circular-buffer attention", served=False),
+    "HiddenStateCacheSpec": SpecSupport("hidden-state caches", served=False),
+    "HiSparseHotSpec": SpecSupport("HiSparse attention", served=False),
+    "HiSparseResidentSpec": SpecSupport("HiSparse attention", served=False),
+    "CrossAttentionSpec": SpecSupport("cross-attention (encoder-decoder)", served=False),
+    "EncoderOnlyAttentionSpec": SpecSupport("encoder-only attention", served=False),
 }
 
 
-def _spec_types(group: Any) -> list[str]:
+def _layer_specs(group: Any) -> list[Any]:
     spec = group.kv_cache_spec
-    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    specs = list(inner.values()) if inner else [spec]
-    return sorted({type(s).__name__ for s in specs})
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    return list(inner.values()) if inner else [spec]
+
+
+def describe_groups(kv_cache_config: Any) -> str:
+    """The KV cache groups as ``"3 x SlidingWindowSpec (1 layer), 1 x FullAttentionSpec (1 layer)"``."""
+    kinds = Counter(
+        (" / ".join(sorted({type(s).__name__ for s in _layer_specs(g)})), len(g.layer_names))
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return ", ".join(
+        f"{count} x {name} ({layers} layer{'s' if layers != 1 else ''})"
+        for (name, layers), count in kinds.items()
+    )
+
+
+def attention_sink_layers(forward_context: dict[str, Any]) -> int:
+    """Attention layers with learned attention sinks (gpt-oss) among the worker's layers.
+
+    Sinks are one logit per head that the attention kernel adds to the softmax; they are weights, not
+    KV cache, so no ``KVCacheSpec`` shows them and the cache layout is that of the layer's spec. Counted for
+    diagnostics (``elastic_kv_info``) and the family tests."""
+    return sum(1 for layer in forward_context.values() if getattr(layer, "has_sink", False) is True)
 
 
 def unsupported_model_features(kv_cache_config: Any, shared_kv_layers: int = 0) -> list[str]:
-    """Why the elastic backend cannot serve this model's KV cache (empty: it can)."""
-    reasons: list[str] = []
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1:
-        kinds = ", ".join(t for g in groups for t in _spec_types(g))
-        reasons.append(f"several KV cache groups (hybrid model: {kinds})")
-    for group in groups:
-        for name in _spec_types(group):
-            if name not in SUPPORTED_SPECS:
-                reasons.append(f"{_NAMES.get(name, name)} ({name})")
+    """Why the elastic backend cannot serve this model's KV cache (empty: it can), one phrase each."""
+    reasons: set[str] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        if getattr(group, "host_resident", False):
+            reasons.add("host-resident KV cache groups (a second block pool)")
+        for spec in _layer_specs(group):
+            name = type(spec).__name__
+            support = SPECS.get(name)
+            if support is None:
+                reasons.add(f"KV cache spec {name} (unknown to vllm-elastic-kv)")
+            elif not support.served:
+                reasons.add(f"{support.feature} ({name})")
     if shared_kv_layers:
-        reasons.append(f"cross-layer KV cache sharing ({shared_kv_layers} layers reuse another's cache)")
-    return sorted(set(reasons))
+        reasons.add(f"cross-layer KV cache sharing ({shared_kv_layers} layers reuse another's cache)")
+    return sorted(reasons)
 
 
 def check_model(kv_cache_config: Any, shared_kv_layers: int = 0) -> None:

@@ -28,13 +28,16 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry, strided_families
 
+from vllm_elastic_kv.allocation import planned_allocations
 from vllm_elastic_kv.config import PluginConfig
 
 __all__ = [
     "AUTO_PAGE_BYTES",
     "check_plan",
+    "check_spaces",
     "observed_geometry",
     "planned_geometry",
+    "planned_spaces",
     "pool_geometry",
     "reserve_min_pages",
     "view_families",
@@ -64,7 +67,7 @@ def _layout(kv_cache_config: Any, vllm_config: Any) -> Any:
     return name if isinstance(name, KVCacheLayout) else KVCacheLayout[str(name)]
 
 
-def _one_buffer_families(kv_cache_config: Any, vllm_config: Any) -> tuple[list[int], list[BlockFamily]]:
+def _one_buffer_families(kv_cache_config: Any, vllm_config: Any) -> list[BlockFamily]:
     from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
 
     layout = _layout(kv_cache_config, vllm_config)
@@ -82,27 +85,24 @@ def _one_buffer_families(kv_cache_config: Any, vllm_config: Any) -> tuple[list[i
         shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, kv_cache_config.num_blocks))
         axes = [(shape[i], strides[i]) for i in (0, 2, 3, 4)]
         families += strided_families(0, tensor.offset, strides[1], axes)
-    return [kv_cache_config.kv_cache_tensors[0].size], families
+    return families
 
 
-def _per_tensor_families(kv_cache_config: Any, split_kv: bool) -> tuple[list[int], list[BlockFamily]]:
-    sizes: list[int] = []
+def _per_tensor_families(kv_cache_config: Any, split_kv: bool) -> list[BlockFamily]:
     families: list[BlockFamily] = []
-    for tensor in kv_cache_config.kv_cache_tensors:
+    for space, tensor in enumerate(kv_cache_config.kv_cache_tensors):
         if getattr(tensor, "block_stride", 0):
             raise ConfigError(
                 "vllm-elastic-kv does not support vLLM 0.26-0.28's packed KV layout (hybrid models); "
                 "use --kv-cache-backend=native"
             )
-        space = len(sizes)
-        sizes.append(tensor.size)
         page = tensor.size // kv_cache_config.num_blocks
         if split_kv:  # (2, num_blocks, ...): K blocks in the first half, V blocks in the second
             half = page // 2
             families += [BlockFamily(space, 0, half, half), BlockFamily(space, tensor.size // 2, half, half)]
         else:
             families.append(BlockFamily(space, 0, page, page))
-    return sizes, families
+    return families
 
 
 def planned_geometry(
@@ -116,15 +116,43 @@ def planned_geometry(
     """The pool's geometry from the ``KVCacheConfig`` (see the module docstring).
 
     ``kv_allocation`` is the compat entry's (``"one_buffer"`` or ``"per_tensor"``); ``split_kv`` applies to
-    ``"per_tensor"`` only. ConfigError when the layout cannot be served with ``page_size``.
+    ``"per_tensor"`` only. Space ``i`` holds the ``i``-th allocation of :func:`planned_allocations`; the
+    geometry's ``space_sizes`` are what the worker reserves for them (:func:`planned_spaces`). ConfigError
+    when the layout cannot be served with ``page_size``.
     """
+    sizes = planned_allocations(kv_cache_config, kv_allocation)
     if kv_allocation == "one_buffer":
-        sizes, families = _one_buffer_families(kv_cache_config, vllm_config)
+        families = _one_buffer_families(kv_cache_config, vllm_config)
     else:
-        sizes, families = _per_tensor_families(kv_cache_config, split_kv)
+        families = _per_tensor_families(kv_cache_config, split_kv)
     return BlockGeometry(
         sizes, families, kv_cache_config.num_blocks, page_size, max_page_slots=max_page_slots
     )
+
+
+def planned_spaces(
+    geometry: BlockGeometry, kv_cache_config: Any, kv_allocation: str
+) -> list[tuple[int, int]]:
+    """``(allocation bytes, space bytes)`` for each KV cache ``torch.zeros`` call vLLM makes, in the order of
+    the plan's spaces: the worker serves an allocation of ``allocation bytes`` from a space of ``space
+    bytes``, the plan's ``space_sizes`` entry.
+
+    A space is larger than its allocation rounded up to a slot whenever a page's extents run past the
+    buffer: pages hold ``blocks_per_page`` blocks and the data plane backs every page with the same
+    extents, so when ``num_blocks`` is not a multiple of ``blocks_per_page`` the last page's extent of each
+    layer covers the room of the blocks it lacks. In a layer-outer buffer that room is the next layer's
+    first blocks, and past the last layer it is beyond the buffer (3 layers of 128 KiB blocks, 682 blocks,
+    16 blocks a page: the last page of layer 2 ends 512 KiB beyond the 256 MiB the buffer rounds up to).
+    Those bytes hold none of the page's blocks; the extra address space costs nothing until a page that
+    touches it is backed, and the ledger charges exactly the slots the data plane backs.
+    """
+    allocations = planned_allocations(kv_cache_config, kv_allocation)
+    if len(allocations) != len(geometry.space_sizes):
+        raise ConfigError(
+            f"vllm-elastic-kv: the plan has {len(geometry.space_sizes)} space(s) for "
+            f"{len(allocations)} KV cache allocation(s)"
+        )
+    return list(zip(allocations, geometry.space_sizes, strict=True))
 
 
 def pool_geometry(
@@ -255,6 +283,17 @@ def observed_geometry(
             )
         families += view_families(view, space, space_bases[space], num_blocks, kv_allocation)
     return BlockGeometry(space_sizes, families, num_blocks, page_size, blocks_per_page=blocks_per_page)
+
+
+def check_spaces(observed: BlockGeometry, reserved: Sequence[int]) -> None:
+    """ConfigError unless every byte a page of ``observed`` touches lies inside the spaces as reserved
+    (``reserved[i]`` bytes for space ``i``): the data plane refuses extents that end beyond a space."""
+    if tuple(observed.space_sizes) != tuple(reserved):
+        raise ConfigError(
+            "vllm-elastic-kv: the pages of the KV cache vLLM bound need spaces of "
+            f"{list(observed.space_sizes)} bytes, the worker reserved {list(reserved)} "
+            f"({observed.describe()})"
+        )
 
 
 def check_plan(planned: BlockGeometry, observed: BlockGeometry) -> None:

@@ -16,6 +16,9 @@ picks the one matching ``async_scheduling``). They change four things:
 * ``update_from_output``: pages emptied while that step could still read them are released now; when no
   request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
   block's page.
+
+While the engine is idle, ``kvctl`` changes (trim, limit, budget) are applied by
+:class:`~vllm_elastic_kv.idle.IdleControl`, which wakes the engine core's loop to run them on its thread.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.features import check_model, describe_groups
+from vllm_elastic_kv.idle import IdleControl, constructing_engine_core
 from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
 from vllm_elastic_kv.scheduler_pool import SchedulerPool
 
@@ -61,6 +65,7 @@ class ElasticSchedulerMixin:
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
         check_model(kv_cache_config)
+        logger.info("elastic KV cache groups: %s", describe_groups(kv_cache_config))
         with (
             compat.scoped_attribute(
                 compat.target("vllm.v1.core.sched.scheduler", "KVCacheManager"), ElasticKVCacheManager
@@ -76,6 +81,12 @@ class ElasticSchedulerMixin:
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
         self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+        # kvctl's changes reach an idle engine too (its loop blocks until a request arrives otherwise).
+        self.elastic_pool.idle_control = IdleControl.for_engine(
+            constructing_engine_core(),
+            [share.record for share in self.elastic_pool.shares],
+            self.elastic_pool.apply_control_idle,
+        )
 
     def add_request(self, request: Any) -> None:
         """vLLM's ``add_request``; then the pool maps ahead for the prompt (see

@@ -10,7 +10,10 @@ are serving their ranks by then) and wires:
   only when it must map a page now. The transport: a direct call (``InProcessTransport``) when the one
   worker runs in this process (vLLM's ``UniProcExecutor``, the default for one GPU), else a
   ``SocketTransport`` to every worker's rank at ``socket_path(instance, rank)``;
-* the pool's **record** in the shared registry (``kvctl list`` shows it; ``kvctl limit`` steers it);
+* the pool's **records** in the shared registry (``kvctl list`` shows them; ``kvctl limit`` steers them):
+  one per device its ranks back pages on, named by :func:`elastic_kv.device.device_key` (``cpu``, or
+  the GPU's UUID), each charged for the ranks on its device (:func:`rank_devices`), and each carrying
+  the device's memory size so that ``kvctl`` percentages work;
 * the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
 
@@ -30,19 +33,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
+from elastic_kv.device import (
+    DeviceKind,
+    default_min_free_bytes,
+    device_free_bytes,
+    device_key,
+    device_total_bytes,
+)
 from elastic_kv.ledger import KVCacheManager as Ledger
 from elastic_kv.ranks import Coordinator, CoordinatorMapper, InProcessTransport, SocketTransport, Transport
-from elastic_kv.registry import PoolRecord
+from elastic_kv.registry import DeviceShare, create_shares
 
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.idle import IdleControl
 from vllm_elastic_kv.layout import pool_geometry, reserve_min_pages
 from vllm_elastic_kv.worker_pool import local_rank
 
-__all__ = ["SchedulerPool", "StepEpochs", "pool_name"]
+__all__ = ["SchedulerPool", "StepEpochs", "pool_name", "rank_devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +70,36 @@ def pool_name(vllm_config: Any) -> str:
     return ("vllm-" + re.sub(r"[^A-Za-z0-9_.:-]", "_", name))[:48]
 
 
-def _device_name(vllm_config: Any) -> str:
-    """The registry's device key: ``cpu``, or the first GPU's UUID (stable across CUDA_VISIBLE_DEVICES)."""
+def rank_devices(vllm_config: Any) -> tuple[list[str], dict[str, int]]:
+    """Each rank's device key, and each device's memory size.
+
+    The workers of the executors the plugin accepts (``uni``, ``mp``: one host, no data parallelism) run
+    rank ``r`` on the device of ordinal ``r`` as the engine core sees it (vLLM's ``cuda:<local_rank>``);
+    the host backend has one device, ``cpu``. The driver answers without a context
+    (:mod:`elastic_kv.device`), so the engine core takes no GPU memory for this.
+    """
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        return "cpu"
-    try:
-        return str(current_platform.get_device_uuid(0))
-    except Exception:
-        return "cuda:0"
+    kind: DeviceKind = "cpu" if current_platform.is_cpu() else "hip" if current_platform.is_rocm() else "cuda"
+    world = vllm_config.parallel_config.world_size
+    keys = [device_key(kind, rank) for rank in range(world)]
+    return keys, {key: device_total_bytes(kind, rank) for rank, key in enumerate(keys)}
+
+
+def _free_per_rank(shares: list[DeviceShare], min_free: int) -> Callable[[], int]:
+    """The ledger's ``physical_free`` for ranks on GPUs this process has no context on: NVML's free memory
+    of every device, as one rank's bytes (the ledger keeps ``min_free`` free on each device)."""
+
+    def free() -> int:
+        rooms = []
+        for share in shares:
+            device_free = device_free_bytes(share.record.device)
+            if device_free is not None:
+                rooms.append(max(0, device_free - min_free) // share.ranks)
+        # The ledger subtracts min_free from what this returns: add it back to the per-rank room.
+        return min(rooms) + min_free if rooms else 1 << 62
+
+    return free
 
 
 def _transport(instance: str, world: int) -> Transport:
@@ -148,11 +180,16 @@ class SchedulerPool:
         self.reserve_min_pages = reserve_min_pages(
             plugin, vllm_config, kv_cache_config, self.geometry, gpu=gpu
         )
+        devices, totals = rank_devices(vllm_config)
+        min_free = plugin.elastic.min_free_bytes
+        if gpu and "min_free_bytes" not in plugin.chosen:
+            min_free = max((default_min_free_bytes(t) for t in totals.values()), default=0)
         cfg = dataclasses.replace(
             plugin.elastic,
             defer_release=True,
             page_size=self.geometry.page_size,
             reserve_min_pages=self.reserve_min_pages,
+            min_free_bytes=min_free,
         )
         world = vllm_config.parallel_config.world_size
         self.transport = _transport(plugin.instance, world)
@@ -162,22 +199,32 @@ class SchedulerPool:
                 f"workers serve {self.coordinator.num_pages} pages, the scheduler planned "
                 f"{self.geometry.num_pages}"
             )
-        self.record = PoolRecord.create(
+        self.shares = create_shares(
             cfg.pool_name or pool_name(vllm_config),
-            device=_device_name(vllm_config),
+            devices,
             engine="vllm",
             model=str(vllm_config.model_config.model),
             limit_bytes=cfg.limit_bytes,
             registry_dir=cfg.registry_dir,
+            device_total_bytes=totals,
             suffix_if_taken=cfg.pool_name is None,
         )
+        self.record = self.shares[0].record
         self.mapper = CoordinatorMapper(self.coordinator)
-        self.ledger = Ledger(self.geometry, self.mapper, cfg, record=self.record, name=self.record.name)
+        self.ledger = Ledger(
+            self.geometry,
+            self.mapper,
+            cfg,
+            shares=self.shares,
+            name=self.record.name,
+            physical_free=_free_per_rank(self.shares, cfg.min_free_bytes) if gpu else None,
+        )
         pool.attach(self.ledger)
-        self.record.publish(self.ledger.snapshot())  # kvctl shows the pool before its first step
+        self.ledger.publish()  # kvctl shows the pool before its first step
         self.block_pool = pool
         self.idle_cache_pages = plugin.idle_cache_bytes // max(1, self.geometry.page_bytes)
         self.epochs = StepEpochs(self.ledger)
+        self.idle_control: IdleControl | None = None
         self.steps = 0  # steps dispatched
         # ... of which the scheduler thread waited for the driver since the previous one: a map, or a
         # background map it needed
@@ -247,22 +294,36 @@ class SchedulerPool:
         self.ledger.settle()
         keep = 0 if wait or self.over_limit() else self.reserve_min_pages
         self.ledger.trim(keep=keep)
-        self.record.publish(self.ledger.snapshot())
+        self.ledger.publish()
         self._waits_seen = self._driver_waits()  # waiting here held up no step: the engine is idle
         if wait:
             self.mapper.flush()
 
+    def apply_control_idle(self) -> None:
+        """``kvctl`` changed a record while the engine is idle (run on the scheduler's thread by
+        :class:`~vllm_elastic_kv.idle.IdleControl`): apply it now -- a trim returns the reserve, a limit
+        below what is held drops the prefix cache's pages and the reserve -- and publish the result."""
+        if not self.epochs.quiesce():
+            return  # a step is in flight: its completion and the next steps apply the change
+        self.ledger.settle()
+        if self.over_limit():
+            self.block_pool.trim_cached()
+        self.ledger.maintain()
+        self.ledger.publish()
+
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it)."""
-        limit = self.record.limit_bytes
-        return bool(limit) and self.ledger.charged_bytes > limit
+        return self.ledger.over_limit()
 
     def close(self) -> None:
         """Return the pool's record and charge (engine shutdown; idempotent).
 
         vLLM shuts the executor down before the scheduler, so the workers -- and with them every backed
         page -- are gone by now: nothing is unmapped from here."""
-        for step in (self.mapper.close, self.transport.close, self.record.close):
+        steps = [self.mapper.close, self.transport.close, *(s.record.close for s in self.shares)]
+        if self.idle_control is not None:
+            steps.insert(0, self.idle_control.close)
+        for step in steps:
             try:
                 step()
             except Exception:  # shutdown continues

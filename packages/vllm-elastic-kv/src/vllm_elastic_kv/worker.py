@@ -25,7 +25,7 @@ import torch
 
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.features import check_model
+from vllm_elastic_kv.features import attention_sink_layers, check_model, describe_groups
 from vllm_elastic_kv.worker_pool import WorkerPool
 
 __all__ = ["ElasticWorkerMixin", "bound_kv_views"]
@@ -64,8 +64,7 @@ class ElasticWorkerMixin:
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
         self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
-        shared = getattr(getattr(self, "model_runner", None), "shared_kv_cache_layers", None) or {}
-        check_model(kv_cache_config, shared_kv_layers=len(shared))
+        check_model(kv_cache_config, shared_kv_layers=len(self._shared_kv_layers()))
         self._elastic_pool.finish(bound_kv_views(self.vllm_config, kv_cache_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager[Any]:
@@ -85,8 +84,22 @@ class ElasticWorkerMixin:
         return super().execute_model(*args, **kwargs)  # type: ignore[misc]
 
     def elastic_kv_info(self) -> dict[str, Any]:
-        """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``)."""
-        return self._elastic_pool.info() if self._elastic_pool is not None else {}
+        """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``), with the model's KV
+        cache groups, its attention layers with sinks and the layers that read another layer's cache."""
+        pool = self._elastic_pool
+        if pool is None:
+            return {}
+        context = self.vllm_config.compilation_config.static_forward_context
+        return {
+            **pool.info(),
+            "kv_cache_groups": describe_groups(pool.kv_cache_config),
+            "attention_sinks": attention_sink_layers(context),
+            "shared_kv_layers": len(self._shared_kv_layers()),
+        }
+
+    def _shared_kv_layers(self) -> dict[str, str]:
+        """vLLM's map of layers that reuse another layer's KV cache (cross-layer sharing) to that layer."""
+        return getattr(getattr(self, "model_runner", None), "shared_kv_cache_layers", None) or {}
 
     def shutdown(self) -> None:
         """Stop serving the pool, then vLLM's own shutdown."""

@@ -32,10 +32,10 @@ from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ranks import Rank, SocketListener, socket_path
 
-from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
+from vllm_elastic_kv.allocation import KVAllocation
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.layout import check_plan, observed_geometry, pool_geometry
+from vllm_elastic_kv.layout import check_plan, check_spaces, observed_geometry, planned_spaces, pool_geometry
 
 __all__ = ["WorkerPool", "local_rank", "make_backend", "serve_locally"]
 
@@ -226,15 +226,26 @@ class WorkerPool:
         """True once the allocation context was handed out (vLLM allocates the KV cache once)."""
         return self._allocation is not None
 
+    @property
+    def spaces(self) -> list[Any]:
+        """The ``TensorSpace``\\ s the KV cache was allocated in, in allocation order (empty before)."""
+        return list(self._allocation.spaces) if self._allocation is not None else []
+
     def allocation(self) -> KVAllocation:
-        """The context for vLLM's KV cache allocation (usable once)."""
+        """The context for vLLM's KV cache allocation (usable once). Each allocation is served from a space of
+        the size the plan gives it (:func:`~vllm_elastic_kv.layout.planned_spaces`), which may exceed the
+        allocation: every byte a page's extents touch must lie inside the space."""
         if self._allocation is not None:
             raise RuntimeError("the KV cache allocation context was already used")
         page = self.planned.page_size
+        spaces = planned_spaces(self.planned, self.kv_cache_config, self.support.kv_allocation)
+        reserve: dict[int, int] = {}
+        for nbytes, size in spaces:  # allocations of one size have one layout: the same space size
+            reserve[nbytes] = max(size, reserve.get(nbytes, 0))
         self._allocation = KVAllocation(
-            planned_allocations(self.kv_cache_config, self.support.kv_allocation),
+            [nbytes for nbytes, _ in spaces],
             self.device,
-            lambda nbytes: _vmm.TensorSpace(self.backend, -(-nbytes // page) * page, page),
+            lambda nbytes: _vmm.TensorSpace(self.backend, reserve[nbytes], page),
         )
         return self._allocation
 
@@ -255,10 +266,12 @@ class WorkerPool:
             self.support.kv_allocation,
         )
         check_plan(self.planned, observed)
+        check_spaces(observed, [s.size for s in spaces])
         self.geometry = observed
-        self.handle_pool = _vmm.HandlePool(
-            self.backend, observed.page_bytes * max(1, self.plugin.elastic.reserve_min_pages)
-        )
+        # No handle cache: an unmapped page's memory goes back to the driver at once, so what the rank holds
+        # is what the pool is charged for (plus the zero page the spaces show where nothing is mapped). The
+        # ledger's mapped reserve already spares most map/unmap cycles.
+        self.handle_pool = _vmm.HandlePool(self.backend, 0)
         self.group = _vmm.SpaceGroup(spaces, observed.extent_tuples(), observed.num_pages, self.handle_pool)
         target: Any = self.group
         if self._zero_on_map:

@@ -1,0 +1,125 @@
+"""SGLang's all-sliding-window (pure SWA) allocator over one elastic pool.
+
+A model whose every attention layer is sliding-window gets SGLang's ``SWAKVPool`` with an empty
+full-attention sub-pool (no layers, no memory: :attr:`~sglang_elastic_kv.pool.ElasticKVPool.no_layers`)
+and a sliding-window sub-pool holding every layer, and ``PureSWATokenToKVPoolAllocator``: one page_size-1
+``TokenToKVPoolAllocator`` over the SWA sub-pool serving as both the "full" and the "SWA" side (the slot
+table is the identity). SGLang frees a request's out-of-window tokens while it decodes
+(``ScheduleBatch.maybe_evict_swa`` -> ``free_swa``), so the pool's memory follows (window x running
+requests) plus what the prefix cache keeps.
+
+:class:`ElasticPureSWAAllocator` subclasses SGLang's allocator and keeps its logic (its free group,
+frees, SWA eviction); what changes:
+
+* the one sub-allocator is :class:`~sglang_elastic_kv.allocators.ElasticTokenToKVPoolAllocator` over the
+  same sub-pool (registry record ``<name>-swa``), so every slot SGLang receives is backed;
+* the scheduler's capacity hooks (admission budget, decode capacity, eviction) see what the pool can back
+  now; ``available_size`` and its ``full_`` / ``swa_`` faces stay logical for SGLang's idle leak check;
+* SGLang opens free groups on the composite (the sub-allocator never sees one), so the composite gives
+  the sub-allocator's ledger its release epoch and step housekeeping at the group's start and end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from elastic_kv.errors import ConfigError
+from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+from sglang_elastic_kv import compat
+from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
+from sglang_elastic_kv.swa import ElasticSWAPrefillBudget
+
+__all__ = ["ElasticPureSWAAllocator"]
+
+
+class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
+    """``PureSWATokenToKVPoolAllocator`` whose one sub-allocator is elastic; constructed with the in-tree
+    arguments (the allocator builder hook rebuilds SGLang's instance with them)."""
+
+    swa_attn_allocator: Any
+    full_attn_allocator: Any
+
+    def __init__(
+        self,
+        size_swa: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: Any,
+        need_sort: bool,
+    ) -> None:
+        if not isinstance(kvcache, SWAKVPool) or not isinstance(kvcache.swa_kv_pool, ElasticMHATokenToKVPool):
+            raise ConfigError(
+                "--kv-cache-backend=elastic serves all-sliding models over SGLang's SWAKVPool with an "
+                f"elastic MHA sub-pool, not {type(kvcache).__name__}; use --kv-cache-backend=native"
+            )
+        super().__init__(size_swa, page_size, dtype, device, kvcache, need_sort)
+        compat.check_instance(self, "sglang.srt.mem_cache.allocator.swa.PureSWATokenToKVPoolAllocator")
+        elastic = ElasticTokenToKVPoolAllocator(size_swa, dtype, device, kvcache.swa_kv_pool, need_sort)
+        self.swa_attn_allocator = elastic
+        self.full_attn_allocator = elastic
+        elastic.clear()
+
+    # -- physical capacity: what the scheduler's hooks see ------------------------------------------
+
+    def elastic_full_available_size(self) -> int:
+        """Slots an allocation can get now (the one pool serves both faces)."""
+        return int(self.swa_attn_allocator.elastic_available_size())
+
+    elastic_swa_available_size = elastic_full_available_size
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> SWAPrefillBudget:
+        """SGLang's all-SWA admission budget over backable headroom (:class:`ElasticSWAPrefillBudget`)."""
+        return ElasticSWAPrefillBudget(
+            self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens, all_swa=True
+        )
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
+        """Evict prefix-cache entries until ``num_tokens`` can be backed, or nothing is left (plain
+        ``evict``, with the shortfall on both faces as SGLang's own all-SWA path asks)."""
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return
+        short = max(0, num_tokens - self.elastic_swa_available_size())
+        if short:
+            tree_cache.evict(EvictParams(num_tokens=short, swa_num_tokens=short))
+
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
+        """Whether the next decode step's ``num_tokens`` can be backed after eviction; False -> retract."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.elastic_swa_available_size() >= num_tokens
+
+    # -- once per engine step; idle; sleep ---------------------------------------------------------------
+
+    def free_group_begin(self) -> None:
+        """SGLang's free group on the composite, and the sub-allocator's release epoch."""
+        super().free_group_begin()
+        self.swa_attn_allocator.elastic_step_begin()
+
+    def free_group_end(self) -> None:
+        """SGLang's grouped frees, then the sub-allocator's step housekeeping."""
+        super().free_group_end()
+        self.swa_attn_allocator.elastic_step_end()
+
+    def verify_byte_accounting(self) -> list[str]:
+        """SGLang's idle diagnostic on the one pool (see ``ElasticAllocatorMixin.verify_byte_accounting``)."""
+        return list(self.swa_attn_allocator.verify_byte_accounting())
+
+    def elastic_over_limit(self) -> bool:
+        """True while the pool holds more than its limit."""
+        return bool(self.swa_attn_allocator.elastic_over_limit())
+
+    def elastic_sleep(self) -> None:
+        """The pool released its KV memory (``release_memory_occupation``): unmap its reserve."""
+        self.swa_attn_allocator.elastic_sleep()
+
+    def elastic_wake(self) -> None:
+        """The pool maps on demand again."""
+        self.swa_attn_allocator.elastic_wake()

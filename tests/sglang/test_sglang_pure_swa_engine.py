@@ -1,0 +1,161 @@
+"""A real SGLang CPU engine serving an all-sliding-window (pure SWA) model with
+``--kv-cache-backend=elastic``: greedy outputs equal the native engine's token for token (radix cache on,
+prompts longer than the window so SGLang frees out-of-window slots and reuses them, and under a physical
+limit small enough to force retraction); the pool's memory grows with a batch and returns; SGLang's idle
+leak check stays on and passes.
+
+The model is the tiny Laguna of :mod:`tests.support.sglang_models` with every layer sliding (window 96).
+SGLang gives it ``SWAKVPool`` with an empty full-attention side and ``PureSWATokenToKVPoolAllocator``
+(page_size 1 only). One native engine gives the reference tokens and is closed; one elastic engine serves
+every test here. Both run with the test-only CPU attention correction of
+:mod:`tests.support.sglang_cpu_fixes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from elastic_kv.registry_view import Registry
+
+from tests.support.sglang_engine import (
+    EngineProcess,
+    generate_under_lowered_limit,
+    generate_watching_peaks,
+    plugin_installed,
+    settled_snapshot,
+    start_engine,
+)
+from tests.support.sglang_models import SWA_ENGINE_ENV, TINY_PURE_SWA, tiny_swa_model
+
+pytestmark = pytest.mark.sglang
+
+MAX_TOTAL_TOKENS = 1536
+SLOT = 64 << 10  # data-plane page size for the tests
+NAME = "pure-swa-elastic"
+POOL = f"{NAME}-swa"  # the one pool with memory; the full-attention side has no layers
+# Prompts shorter and longer than the window; the longest frees out-of-window slots while it decodes.
+PROMPTS = [[(5 * i + 3 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((40, 75, 110))]
+NEW = 40
+# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens (~8 x 96 slots at the peak).
+HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
+HEAVY_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    if not plugin_installed():
+        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+    return tiny_swa_model(TINY_PURE_SWA)
+
+
+def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
+    return start_engine(
+        name,
+        model,
+        backend=backend,
+        env={**SWA_ENGINE_ENV, **env},
+        page_size=1,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, list[list[int]]]:
+    """Native outputs (the plugin installed, not enabled)."""
+    with _start("pure-swa-native", model, "native") as eng:
+        out = {
+            "prompts": eng.generate(PROMPTS, max_new_tokens=NEW),
+            "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
+        }
+        log = eng.log_path.read_text()
+        assert "Traceback" not in log and "memory leak detected" not in log
+    return out
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("registry")
+    path.chmod(0o700)
+    return path
+
+
+@pytest.fixture(scope="module")
+def elastic(model: Path, registry_dir: Path, reference: dict[str, Any]) -> Iterator[EngineProcess]:
+    with _start(
+        NAME,
+        model,
+        "elastic",
+        ELASTIC_KV_PAGE_SIZE=str(SLOT),
+        ELASTIC_KV_REGISTRY_DIR=str(registry_dir),
+        ELASTIC_KV_POOL_NAME=NAME,
+        ELASTIC_KV_PUBLISH_INTERVAL_S="0",
+    ) as eng:
+        yield eng
+
+
+def test_native_engine_matches_transformers(model: Path, reference: dict[str, Any]) -> None:
+    """The corrected native engine computes what transformers computes for the all-sliding model."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    assert set(hf.config.layer_types) == {"sliding_attention"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engines run: OpenMP spins against other work on 2 shared cores
+    try:
+        with torch.no_grad():
+            for prompt, expected in zip(PROMPTS, reference["prompts"], strict=True):
+                out = hf.generate(
+                    torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
+                )
+                assert out[0, len(prompt) :].tolist() == expected
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_elastic_pool_serves_every_layer(elastic: EngineProcess, registry_dir: Path) -> None:
+    pools = {info.name for info in Registry(registry_dir).pools()}
+    assert POOL in pools and f"{NAME}-full" not in pools  # no layers, no memory, no record
+    idle = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    assert idle.mapped_bytes <= (1 + idle.reserve_pages + idle.inflight_pages) * idle.page_bytes
+
+
+def test_outputs_equal_native(elastic: EngineProcess, reference: dict[str, Any]) -> None:
+    assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
+    # Again: now with prefix-cache hits on the same prompts (radix cache on).
+    assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
+
+
+def test_memory_grows_and_returns(
+    elastic: EngineProcess, registry_dir: Path, reference: dict[str, Any]
+) -> None:
+    elastic.call("flush_cache")
+    idle = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    out, peaks = generate_watching_peaks(elastic, registry_dir, (POOL,), HEAVY, HEAVY_NEW)
+    assert out == reference["heavy"]
+    # 8 x 96 in-window tokens x 4 layers x (K + V) x 256 B = 1.5 MiB at the peak.
+    assert max(peaks[POOL], idle.mapped_bytes) >= idle.mapped_bytes + 2 * idle.page_bytes, (idle, peaks)
+    elastic.call("flush_cache")
+    after = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    assert after.used_blocks == 0
+    assert after.mapped_bytes <= max(idle.mapped_bytes, (1 + after.reserve_pages) * after.page_bytes)
+
+
+def test_lowered_limit_retracts_not_crashes(
+    elastic: EngineProcess, registry_dir: Path, reference: dict[str, Any]
+) -> None:
+    """kvctl lowers the pool's limit below what a running batch needs: SGLang retracts requests (and
+    re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones."""
+    heavy = generate_under_lowered_limit(elastic, registry_dir, POOL, HEAVY, HEAVY_NEW)
+    assert heavy == reference["heavy"]
+    assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
+
+
+def test_idle_leak_check_ran_and_passed(elastic: EngineProcess) -> None:
+    log = elastic.log_path.read_text()
+    assert "memory leak detected" not in log
+    assert "Traceback" not in log
+    assert elastic.call("get_server_info") is not None  # the scheduler is alive

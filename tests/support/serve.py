@@ -1,0 +1,136 @@
+"""``elastic-kv serve`` in a child process, for the server's tests and the demo.
+
+:class:`ServeProcess` writes a TOML config, starts ``python -m elastic_kv_serve serve --config ...`` with
+its output in a log file, reads ``/status``, waits for model states, and stops the server with SIGTERM
+(the drain path) or, if that fails, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.models import REPO_ROOT
+
+# vLLM on the CPU for a tiny model: float32, eager, a fixed (virtual) KV capacity.
+VLLM_CPU_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
+                 "--kv-cache-memory-bytes", "32M", "--seed", "0"]  # fmt: skip
+# SGLang's CPU engine for a tiny model (see tests/support/sglang_engine.py).
+SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--dtype", "float32", "--max-total-tokens", "16384", "--page-size", "16",
+                   "--random-seed", "0", "--log-level", "warning"]  # fmt: skip
+# 64 KiB pages: one block of a tiny model per page and layer, so KV memory follows a few requests.
+POOL_ENV = {"ELASTIC_KV_PAGE_SIZE": "64K", "ELASTIC_KV_RESERVE_MIN": "1", "ELASTIC_KV_RESERVE_MAX": "4"}
+
+
+def sglang_cpu_env() -> dict[str, str]:
+    """What SGLang's CPU engine needs in its environment: its switches and the sgl_kernel stand-in."""
+    from tests.support.sglang_engine import engine_environ
+
+    env = engine_environ({}, base={})
+    keep = ("SGLANG_USE_CPU_ENGINE", "SGLANG_NATIVE_MOVE_KV_CACHE", "OMP_NUM_THREADS", "PYTHONPATH")
+    return {**{k: env[k] for k in keep}, **POOL_ENV}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal for a str, bool, number, list or flat dict (enough for the configs written here)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML literal for {value!r}")
+
+
+def write_config(path: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> Path:
+    lines = ["[server]", *(f"{k} = {toml_value(v)}" for k, v in server.items())]
+    for model in models:
+        lines += ["", "[[models]]", *(f"{k} = {toml_value(v)}" for k, v in model.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class ServeProcess:
+    """A running ``elastic-kv serve`` (see the module docstring)."""
+
+    def __init__(self, workdir: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> None:
+        self.workdir = workdir
+        self.registry = workdir / "registry"
+        self.registry.mkdir(mode=0o700, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        server = {
+            "port": self.port,
+            "registry_dir": str(self.registry),
+            "log_dir": str(workdir / "logs"),
+            **server,
+        }
+        self.config = write_config(workdir / "models.toml", server, models)
+        self.log_path = workdir / "serve.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 -- closed in stop()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config)],
+            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def status(self) -> dict[str, Any]:
+        reply = self.client.get("/status", timeout=10)
+        reply.raise_for_status()
+        return {m["name"]: m for m in reply.json()["models"]}
+
+    def wait_for(self, states: dict[str, str], timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait until every named model is in its state; the status then. TimeoutError with the log tail."""
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                last = self.status()
+            except httpx.HTTPError:
+                time.sleep(0.5)
+                continue
+            if all(last[name]["state"] == state for name, state in states.items()):
+                return last
+            time.sleep(0.25)
+        seen = {n: m["state"] for n, m in last.items()}
+        raise TimeoutError(f"models not {states} after {timeout_s:.0f} s (now {seen}):\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 180.0) -> int:
+        """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status. After a drain the server exits by
+        the signal it got (uvicorn re-raises it once shut down): ``-SIGTERM`` is the clean answer."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+        self._log.close()
+        return self.proc.returncode
