@@ -95,7 +95,7 @@ def test_lengths_and_prompts_stay_in_their_stated_ranges() -> None:
 )
 def test_bad_specs_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"trace: bad {field}"):
-        dataclasses.replace(SPEC, **{field: value})
+        dataclasses.replace(SPEC, **{field: value})  # type: ignore[arg-type]
 
 
 def test_bad_load_is_refused() -> None:
