@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
 from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits
 
 MiB = 1 << 20
@@ -60,3 +65,42 @@ def test_idle_models_due_to_sleep() -> None:
         _c("busy", 0, 0.0, 1, idle_sleep_s=10.0, busy=True),
     ]
     assert [c.name for c in due_to_sleep(models, now=100.0)] == ["idle"]
+
+
+def test_two_models_waking_at_once_do_not_wait_for_each_others_claim(tmp_path: Path) -> None:
+    """Both asleep, room for one: the first to make room gets it; the second is refused at its deadline
+    instead of both waiting on weights that neither has loaded (the claim of a model still waiting for
+    room does not count against the budget)."""
+    from elastic_kv_serve.config import parse_config
+    from elastic_kv_serve.runtime import State
+    from elastic_kv_serve.supervisor import ModelUnavailable, Supervisor
+
+    config = parse_config(
+        {
+            "server": {"registry_dir": str(tmp_path / "reg"), "log_dir": str(tmp_path / "logs"),
+                       "budget": "15M"},
+            "models": [
+                {"name": n, "engine": "vllm", "model": str(tmp_path / n), "weights_bytes": "10M"}
+                for n in ("a", "b")
+            ],
+        }
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        sup = Supervisor(config, poll_s=0.01)
+        a, b = sup.models["a"], sup.models["b"]
+        try:
+            a.set_state(State.WAKING)  # both claimed by requests, neither loaded
+            b.set_state(State.WAKING)
+            await sup._make_room(a, deadline=time.monotonic() + 5)
+            assert a.has_room and not b.has_room
+            assert sup.used_bytes() == 10 * MiB
+            with pytest.raises(ModelUnavailable):
+                await sup._make_room(b, deadline=time.monotonic() + 0.1)
+            assert not b.has_room
+            a.set_state(State.ASLEEP)
+            assert not a.has_room and sup.used_bytes() == 0
+        finally:
+            await sup.client.aclose()
+
+    asyncio.run(scenario())

@@ -40,8 +40,8 @@ class State(str, Enum):
     STOPPED = "stopped"
 
 
-# States in which a model holds its weights on the device (or is about to).
-HOLDS_WEIGHTS = frozenset({State.STARTING, State.AWAKE, State.SLEEPING, State.WAKING})
+# States in which a model holds no weights on the device and has no room reserved for them.
+WITHOUT_WEIGHTS = frozenset({State.ASLEEP, State.FAILED, State.STOPPED})
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -68,6 +68,10 @@ class ModelRuntime:
     last_used_wall: float | None = None
     kv_bytes: int = 0
     idle_kv_bytes: int = 0  # KV it held when last seen idle: what waking it needs besides its weights
+    # Its weights count against the budget: set once room was made for them (before they load), cleared
+    # when it sleeps or fails. A model that waits for room is not counted, or two models waking at once
+    # would each wait for the room the other one's claim takes.
+    has_room: bool = False
     wakes: int = 0
     sleeps: int = 0
     restarts: int = 0
@@ -87,13 +91,15 @@ class ModelRuntime:
 
     @property
     def footprint_bytes(self) -> int:
-        """What it holds on the device now: its weights while awake, plus its KV."""
-        return (self.weights_bytes if self.state in HOLDS_WEIGHTS else 0) + self.kv_bytes
+        """What it holds (or has room reserved for) on the device now: its weights, plus its KV."""
+        return (self.weights_bytes if self.has_room else 0) + self.kv_bytes
 
     def set_state(self, state: State, error: str | None = None) -> None:
         """Move to ``state`` and wake everyone waiting for a change."""
         self.state = state
         self.error = error
+        if state in WITHOUT_WEIGHTS:
+            self.has_room = False
         self._changed.set()
         self._changed = asyncio.Event()
 

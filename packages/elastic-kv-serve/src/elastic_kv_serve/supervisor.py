@@ -38,7 +38,7 @@ from elastic_kv_serve.engines import (
     probe_sleep_mode,
 )
 from elastic_kv_serve.metrics import ServeMetrics
-from elastic_kv_serve.runtime import HOLDS_WEIGHTS, ModelRuntime, State
+from elastic_kv_serve.runtime import ModelRuntime, State
 
 __all__ = ["ModelUnavailable", "Supervisor", "UnknownModel"]
 
@@ -300,7 +300,8 @@ class Supervisor:
                 await asyncio.sleep(self.poll_s)
                 await self._refresh_kv()
             # The newcomer's weights leave the budget before it loads, so neighbours' KV cannot take them.
-            self._sync_budget(extra=rt)
+            rt.has_room = True
+            self._sync_budget()
 
     async def _sleep(self, rt: ModelRuntime, reason: str) -> None:
         """Put an awake, idle model to sleep (its engine's API, or stop its process)."""
@@ -422,13 +423,11 @@ class Supervisor:
             if rt.state is State.AWAKE and not rt.busy:
                 rt.idle_kv_bytes = rt.kv_bytes
 
-    def _sync_budget(self, extra: ModelRuntime | None = None) -> None:
-        """Keep each device's KV budget at *budget - weights of awake models* (``extra`` counted too)."""
+    def _sync_budget(self) -> None:
+        """Keep each device's KV budget at *budget - weights of the models that have room for them*."""
         if self.budget_bytes is None:
             return
-        weights = sum(
-            rt.weights_bytes for rt in self.models.values() if rt.state in HOLDS_WEIGHTS or rt is extra
-        )
+        weights = sum(rt.weights_bytes for rt in self.models.values() if rt.has_room)
         self._budget.apply(self.devices, self.budget_bytes - weights)
 
     # ------------------------------------------------------------------ visibility
