@@ -148,4 +148,7 @@ def test_a_killed_engine_is_reclaimed_by_the_next_charge(server: Server) -> None
         budget = Registry(server.registry_dir).set_budget("cpu", info.charged_bytes)
         assert budget.charged_bytes == info.charged_bytes
         assert record.try_charge(info.charged_bytes)
+        # The charge took the dead pool's slot back (its file goes at the next scan).
+        budget = Registry(server.registry_dir).device("cpu")  # a scan: the dead record is removed too
+        assert budget.charged_bytes == info.charged_bytes and budget.pools == ("next",)
         assert not (server.registry_dir / f"{POOL}.pool").exists()
