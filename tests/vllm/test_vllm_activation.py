@@ -100,11 +100,15 @@ def test_flag_lands_in_additional_config(parser: Any, argv: tuple[str, ...], exp
     assert _engine_args(parser, *argv).additional_config == expected
 
 
-def test_conflicting_flag_and_additional_config(parser: Any) -> None:
-    with pytest.raises(ConfigError, match="conflicts"):
+def test_conflicting_flag_and_additional_config(parser: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the command line a bad setting ends the command with one line and status 2, before any engine."""
+    with pytest.raises(SystemExit) as exited:
         _engine_args(
             parser, "--kv-cache-backend", "elastic", "--additional-config.kv_cache_backend", "native"
         )
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("vllm-elastic-kv: ") and "conflicts" in line
 
 
 def test_flag_rejects_unknown_backend(parser: Any) -> None:

@@ -10,7 +10,9 @@ config untouched; with the elastic backend it
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
 3. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
-   and every worker receive with the config.
+   and every worker receive with the config;
+4. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
+   processes when it is stopped, so the front end removes what they could not.
 
 Model features that are only known once the workers report their KV cache specs (several KV cache
 groups, Mamba, MLA, ...) are checked by the scheduler at start-up (:mod:`vllm_elastic_kv.features`).
@@ -28,6 +30,7 @@ from elastic_kv.ranks import new_instance_name
 
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
+from vllm_elastic_kv.exits import register_clean_up
 
 __all__ = ["SCHEDULERS", "WORKERS", "activate", "patch", "unsupported"]
 
@@ -108,7 +111,10 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
     sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
     par.worker_cls = WORKERS.get(par.worker_cls, par.worker_cls)
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))
+    fresh = INSTANCE_KEY not in options
     options.setdefault(INSTANCE_KEY, plugin.instance or new_instance_name())
+    if fresh:  # this front end starts the engine: it cleans up after it (vllm_elastic_kv.exits)
+        register_clean_up(options[INSTANCE_KEY], par.world_size, plugin.elastic.registry_dir)
     vllm_config.additional_config[BACKEND_KEY] = Backend.ELASTIC.value
     vllm_config.additional_config[OPTIONS_KEY] = options
     logger.info(

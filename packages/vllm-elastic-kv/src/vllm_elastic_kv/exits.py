@@ -1,0 +1,63 @@
+"""What an engine's processes leave behind when vLLM stops them without a grace period.
+
+``vllm serve`` stopped by SIGTERM or SIGINT shuts its engine down in ``abort`` mode with a zero timeout:
+the front end sends SIGTERM to the engine core and SIGKILLs it (and its workers) at once, so neither the
+pool record (owned by the engine core) nor the ranks' sockets (owned by the workers) are removed by their
+owners. The front end outlives them: :func:`clean_up_after_engine`, registered at activation to run at
+the front end's exit, reclaims the records whose owners are dead (the registry's own liveness rules:
+a live owner's record is never touched) and removes the sockets of this engine instance that no process
+listens on any more.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import socket
+from pathlib import Path
+
+from elastic_kv.ranks import socket_path
+from elastic_kv.registry_fs import RegistryConfig
+from elastic_kv.registry_view import reclaim_dead
+
+__all__ = ["clean_up_after_engine", "register_clean_up"]
+
+logger = logging.getLogger(__name__)
+
+
+def _stale(path: Path) -> bool:
+    """True when ``path`` is a socket file no process accepts connections on."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+def clean_up_after_engine(instance: str, world_size: int, registry_dir: Path | None) -> None:
+    """Reclaim dead owners' records and remove engine ``instance``'s stale sockets (never raises)."""
+    try:
+        config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
+        if config.directory.is_dir():
+            reclaimed = reclaim_dead(config)
+            if reclaimed:
+                logger.info("elastic KV: removed the records of stopped pools %s", ", ".join(reclaimed))
+        for rank in range(world_size):
+            path = socket_path(instance, rank)
+            if path.exists() and _stale(path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+    except Exception:
+        logger.debug("elastic KV: clean-up after the engine failed", exc_info=True)
+
+
+def register_clean_up(instance: str, world_size: int, registry_dir: Path | None) -> None:
+    """Run :func:`clean_up_after_engine` when this (front-end) process exits."""
+    atexit.register(clean_up_after_engine, instance, world_size, registry_dir)
