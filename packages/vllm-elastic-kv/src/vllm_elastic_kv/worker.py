@@ -38,8 +38,9 @@ def bound_kv_views(vllm_config: Any, kv_cache_config: Any) -> list[torch.Tensor]
     write), from the compilation config's static forward context.
 
     An attention layer holds one tensor; a Mamba / linear-attention layer one per state (conv, SSM); vLLM
-    0.26-0.28 wraps either in a list per virtual engine (one: pipeline parallelism is refused). Every tensor
-    found counts: a state the geometry missed would be served by the zero page."""
+    0.26-0.28 wraps either in a list per virtual engine (one per worker in V1, also with pipeline
+    parallelism, where each stage's worker holds only its own layers). Every tensor found counts: a state
+    the geometry missed would be served by the zero page."""
     context = vllm_config.compilation_config.static_forward_context
     views: list[torch.Tensor] = []
 
