@@ -8,7 +8,7 @@ the ledger, not to the queue.** So
 
 * ``free_block_queue`` holds only blocks whose contents are still wanted (cached prefix blocks, blocks
   released with ``unpin_blocks``): exactly vLLM's eviction candidates, in vLLM's LRU order;
-* the ledger (:class:`elastic_kv.ledger.KVCacheManager`) holds every other free id, issues them
+* the ledger (:class:`elastic_kv.ledger.Ledger`) holds every other free id, issues them
   page-affinely and backs or releases the pages;
 * free capacity = the ledger's ``available_size()`` (free blocks it can back now, within the physical
   limit) + the eviction candidates. Cached blocks count as free, as natively: reusing one in place never
@@ -44,7 +44,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
-    from elastic_kv.ledger import KVCacheManager as Ledger
+    from elastic_kv.ledger import Ledger
 
 __all__ = ["ElasticBlockPool"]
 
