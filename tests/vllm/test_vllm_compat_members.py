@@ -8,9 +8,12 @@ missing one stops activation with one line naming it and the version.
 from __future__ import annotations
 
 import pkgutil
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm_elastic_kv
 from elastic_kv.errors import ConfigError
 from vllm_elastic_kv import activation, compat
 from vllm_elastic_kv.compat import members
@@ -98,3 +101,26 @@ def test_a_missing_member_stops_activation_in_one_line(monkeypatch: pytest.Monke
 def test_a_class_that_takes_no_new_attribute_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(members, "ADDED_ATTRIBUTES", {"builtins.int": ("_elastic_kv_epoch",)})
     assert compat.missing_members(_support()) == ["builtins.int._elastic_kv_epoch (settable)"]
+
+
+# Probes in the plugin's source that read something other than vLLM.
+_NOT_VLLM = {"hip"}  # torch.version.hip: which data-plane backend a GPU gets
+
+
+def test_every_probe_in_the_plugin_is_listed() -> None:
+    """Each ``getattr(obj, "name", ...)`` / ``hasattr(obj, "name")`` in the plugin reads a member some vLLM
+    release may lack: it must be in a table, so that a probe added without one fails here."""
+    listed = {dotted.rpartition(".")[2] for dotted in compat.PROBED}
+    for table in (compat.MEMBERS, compat.INSTANCE_MEMBERS, *compat.MEMBERS_BY_ALLOCATION.values()):
+        for names in table.values():
+            listed.update(names)
+    probe = re.compile(r"\b(?:getattr|hasattr)\([^,()]+(?:\([^()]*\))?, \"([A-Za-z_]+)\"")
+    source = Path(vllm_elastic_kv.__file__).parent
+    unlisted = {
+        f"{path.name}: {name}"
+        for path in source.rglob("*.py")
+        if "compat" not in path.relative_to(source).parts
+        for name in probe.findall(path.read_text())
+        if name not in listed and name not in _NOT_VLLM
+    }
+    assert not unlisted, f"probes of vLLM members missing from vllm_elastic_kv.compat: {sorted(unlisted)}"
