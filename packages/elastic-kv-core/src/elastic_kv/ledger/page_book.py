@@ -118,7 +118,7 @@ class PageBook:
         return out
 
     def take_blocks(self, n: int) -> tuple[list[int], int]:
-        """Take ``n <= _free_backed`` free blocks, now live: partly used pages by best fit (the smallest
+        """Take ``n <= free_backed`` free blocks, now live: partly used pages by best fit (the smallest
         page that holds the rest of the run, else the one with the most free blocks), then empty backed
         pages -- pending release first (reusing one saves an unmap and a map), then the reserve. Returns the
         ids and how many empty pages were taken into use."""
