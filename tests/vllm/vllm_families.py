@@ -349,7 +349,7 @@ class FamilyChecks:
     def test_lower_limit_preempts_instead_of_failing(
         self, llm: Any, registry_dir: Path, native: dict[str, Any]
     ) -> None:
-        from elastic_kv.registry_view import Registry
+        from elastic_kv.registry import Registry
 
         if not self.family.limit_pages:
             pytest.skip("the family runs one sequence at a time: a limit has nothing to preempt")

@@ -86,7 +86,7 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
     cannot. Idempotent: a config activated once is left as it is."""
     version = compat.installed_version()
     support = compat.support_for(version)
-    problems = compat.check_installed(support)
+    problems = compat.check_installed(support) + [f"{m}: missing" for m in compat.missing_members(support)]
     if problems:
         raise ConfigError(
             f"vllm-elastic-kv: vLLM {'.'.join(map(str, version))} does not have what the {support.label} "

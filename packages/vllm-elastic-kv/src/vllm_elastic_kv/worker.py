@@ -67,6 +67,7 @@ class ElasticWorkerMixin:
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """vLLM's ``initialize_from_config``, with the KV cache allocated in elastic spaces and served to the
         scheduler's coordinator afterwards."""
+        compat.check_instance(self, "vllm.v1.worker.gpu_worker.Worker")
         plugin = PluginConfig.from_vllm_config(self.vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker

@@ -1,43 +1,5 @@
-"""The ledger: which KV blocks are live, and so which logical pages must be backed.
-
-:class:`KVCacheManager` issues block ids to an engine and decides, page by page, when physical memory is
-needed. It is the single owner of "which page is backed": the data plane (through a
-:class:`~elastic_kv.mapper.PageMapper`) only executes its decisions, and the shared record
-(``elastic_kv.registry.PoolRecord``) is charged for every byte before it is backed.
-
-Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNMAPPED``)::
-
-    UNMAPPED --map (sync) or map_async + collect--> RESERVE --alloc--> USED (>= 1 live block)
-    USED --last block freed--> RESERVE (room under the cap)   | PENDING (defer_release) | UNMAPPED
-    PENDING --release_through(epoch)--> RESERVE | UNMAPPED;   PENDING --alloc--> USED (reuse is safe:
-    only *unmapping* must wait for the GPU, reusing a backed page never does)
-
-Allocation is page-affine so that few pages stay backed: a request is served first from pages that are
-already backed and partly used (the smallest one that holds the whole run, else the one with the most
-free blocks -- kvcached's rule), then from backed empty pages (pending release, then the pre-mapped
-reserve), and only then by mapping new pages. Backed empty pages come after partly used ones because
-taking a fresh page while a partial one has room would leave two pages half full instead of one full.
-
-The data structures (O(1) best fit, per-page free stacks) are in :mod:`elastic_kv.pagebook`; the
-physical accounting (limit, shared record, cached headroom) in :mod:`elastic_kv.physical`; the reserve's
-sizing in :mod:`elastic_kv.reserve`.
-
-Epochs (``defer_release``): the engine calls :meth:`KVCacheManager.advance_epoch` when it launches GPU
-work and :meth:`KVCacheManager.release_through` with that epoch once the work finished. A page emptied
-while epoch ``e`` is current is unmapped only after ``release_through(e)``: GPU work queued before the free
-may still read or write it (kvcached #463), and unmapping under a running kernel is a fault that kills
-the CUDA context.
-
-Threading: a pool has one owner thread, the engine's scheduling thread (vLLM's engine-core loop, SGLang's
-scheduler); every method that changes the pool raises ``RuntimeError`` when called from another thread
-(one ``get_ident()`` comparison, which is also the closed/inconsistent check: far cheaper than a lock on a
-path that runs per scheduled request). :meth:`bind_thread` hands the pool to another thread.
-:meth:`snapshot`, :meth:`available_size` and the read-only properties may be called from any thread: they
-only read (under the GIL), so a reader sees numbers at most one operation old. ``kvctl`` changes reach the
-pool through its shared record and are applied by :meth:`maintain`, on the owner thread. The data plane's
-background mapping thread never calls into Python; its results are picked up by :meth:`maintain` and
-``alloc``.
-"""
+"""The ledger of one pool: :class:`Ledger` (the design is in the package docstring,
+:mod:`elastic_kv.ledger`)."""
 
 from __future__ import annotations
 
@@ -47,26 +9,32 @@ from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
-from elastic_kv.backing import PageBacking
 from elastic_kv.config import ElasticConfig
-from elastic_kv.errors import PoolExhausted
 from elastic_kv.geometry import BlockGeometry
+from elastic_kv.ledger.guard import PoolGuard
+from elastic_kv.ledger.page_backing import PageBacking
+from elastic_kv.ledger.page_book import PageBook
+from elastic_kv.ledger.stats import pool_snapshot
 from elastic_kv.mapper import PageMapper
-from elastic_kv.pagebook import PENDING, RESERVE, USED
 from elastic_kv.physical import PhysicalAccount
 from elastic_kv.reserve import ReservePolicy
-from elastic_kv.snapshot import PoolSnapshot, PoolState
+from elastic_kv.snapshot import PoolSnapshot
 
 if TYPE_CHECKING:
     from elastic_kv.registry import DeviceShare, PoolRecord
 
-__all__ = ["KVCacheManager"]
+__all__ = ["Ledger"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("elastic_kv.ledger")
 
 
-class KVCacheManager(PageBacking):
-    """Block ids for one engine KV pool, backed page by page (see the module docstring).
+class Ledger:
+    """Block ids for one engine KV pool, backed page by page (see :mod:`elastic_kv.ledger`).
+
+    It holds the pool's :class:`~elastic_kv.ledger.page_book.PageBook` (free blocks per page, page
+    states), its :class:`~elastic_kv.ledger.page_backing.PageBacking` (the data plane and the shared
+    record), its :class:`~elastic_kv.ledger.guard.PoolGuard` (owner thread, health) and the policy:
+    which pages to take, when to map, unmap, defer or refill.
 
     Args:
         geometry: the engine's layout (blocks, pages, extents); the mapper's pages are its pages.
@@ -83,6 +51,8 @@ class KVCacheManager(PageBacking):
             SGLang: slot/page 0, the padding target); ``None`` for none.
         physical_free: bytes the device could still back (driver free memory); called from
             :meth:`maintain` at most every ``config.free_memory_ttl_s``, never on the allocation path.
+        book_type: the page book's class; a subclass changes which free blocks are taken
+            (``benchmarks/ledger_trace.py`` compares such rules).
 
     Raises:
         PoolExhausted: the null block's page cannot be backed.
@@ -101,13 +71,19 @@ class KVCacheManager(PageBacking):
         physical_free: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         shares: Sequence[DeviceShare] = (),
+        book_type: type[PageBook] = PageBook,
     ) -> None:
         cfg = config or ElasticConfig()
         if shares and record is not None:
             raise ValueError("pass either record or shares, not both")
-        phys = PhysicalAccount(cfg, record, physical_free, clock, shares)
-        super().__init__(geometry, mapper, phys, name)
-        nb, bpp = self._nb, self._bpp
+        self._geo = geometry
+        self._name = name
+        self._phys = PhysicalAccount(cfg, record, physical_free, clock, shares)
+        self._book = book_type(geometry)
+        self._guard = PoolGuard(name)
+        self._backing = PageBacking(self._book, mapper, self._phys, self._guard)
+        self._async = self._backing.is_async
+        nb, bpp = self._book.nb, self._book.bpp
         self._cfg = cfg
         self._epoch = 0
         self._hits = 0
@@ -120,14 +96,9 @@ class KVCacheManager(PageBacking):
             if not 0 <= null_block < nb:
                 raise ValueError(f"null_block={null_block} outside 0..{nb - 1}")
             page = null_block // bpp
-            self._unmapped.remove(page)
-            self._unmapped_blocks -= self._cap(page)
-            self._map_now([page])
-            self._page_free[page] = [b for b in reversed(geometry.blocks_of(page)) if b != null_block]
-            self._page_state[page] = USED
-            self._live[null_block] = 2  # live, and never accepted by free()
-            self._free_backed = len(self._page_free[page])
-            self._rebucket(page)
+            self._book.take_unmapped(page)
+            self._backing.map_now([page])
+            self._book.hold_null(null_block)
         self._phys.refresh(force=True)
 
     # -- queries ----------------------------------------------------------------------------------------
@@ -156,7 +127,7 @@ class KVCacheManager(PageBacking):
     @property
     def used_blocks(self) -> int:
         """Live blocks issued to the engine (the null block excluded)."""
-        return self._live_count() - (self._null is not None)
+        return self._book.live_count() - (self._null is not None)
 
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it below what is backed):
@@ -168,7 +139,7 @@ class KVCacheManager(PageBacking):
         """Free blocks on backed pages (partly used, reserve, pending): what ``alloc`` serves without a
         driver call. O(1), no lock (a single int read); engines use it to decide whether an allocation
         can be made without mapping."""
-        return self._free_backed
+        return self._book.free_backed
 
     @property
     def reserve_hit_rate(self) -> float:
@@ -188,10 +159,36 @@ class KVCacheManager(PageBacking):
         page_bytes = self._geo.page_bytes
         pages = room // page_bytes if page_bytes else 0
         return (
-            self._free_backed
-            + self._inflight_pages * self._bpp
-            + min(self._unmapped_blocks, pages * self._bpp)
+            self._book.free_backed
+            + self._book.inflight_pages * self._book.bpp
+            + min(self._book.unmapped_blocks, pages * self._book.bpp)
         )
+
+    def page_state(self, page: int) -> str:
+        """``"unmapped" | "used" | "reserve" | "pending" | "inflight"`` (for tests and diagnostics)."""
+        return self._book.page_state(page)
+
+    def is_live(self, block: int) -> bool:
+        """Whether ``block`` is issued (the null block is always live)."""
+        return self._book.is_live(block)
+
+    def live_blocks_on(self, page: int) -> int:
+        """Issued blocks of ``page`` (the null block counts); O(1)."""
+        return self._book.live_blocks_on(page)
+
+    def mapped_pages(self) -> list[int]:
+        """Pages the ledger holds backed (used, reserve, pending), ascending."""
+        return self._book.mapped_pages()
+
+    def check_invariants(self) -> None:
+        """Verify the page book's invariants (:mod:`elastic_kv.ledger.page_book`); ``AssertionError``
+        names the first one broken. O(blocks + pages): for tests, soaks and debugging only."""
+        self._book.check_invariants()
+
+    def bind_thread(self) -> None:
+        """Make the calling thread the pool's owner (e.g. the pool was built on a start-up thread and the
+        engine schedules on another). The previous owner must not touch the pool any more."""
+        self._guard.bind_thread()
 
     # -- allocation -------------------------------------------------------------------------------------
 
@@ -206,89 +203,49 @@ class KVCacheManager(PageBacking):
             if n < 0:
                 raise ValueError(f"cannot allocate {n} blocks")
             return []
-        if get_ident() != self._owner:
-            self._refuse()
-        mask = self._mask
-        fit = mask >> n
-        if fit:
-            # Fast path (a decode step, most prefills): one partly used page holds the whole run; the
-            # smallest such page is the lowest set bit of the bucket mask at or above n.
-            k = n + ((fit & -fit).bit_length() - 1)
-            bucket = self._buckets[k]
-            page, _ = bucket.popitem()
-            if not bucket:
-                mask ^= 1 << k
-            free = self._page_free[page]
-            rest = k - n
-            self._page_bucket[page] = rest
-            if rest:
-                self._buckets[rest][page] = None
-                mask |= 1 << rest
-            self._mask = mask
-            self._free_backed -= n
-            live = self._live
-            if n == 1:  # a decode step's block: one pop, no slices
-                block = free.pop()
-                live[block] = 1
-                return [block]
-            out = free[-n:]
-            del free[-n:]
-            for block in out:
-                live[block] = 1
-            return out
-        return self._alloc_pages(n)
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        out = self._book.take_fit(n)
+        return out if out is not None else self._alloc_pages(n)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         """``alloc`` when no single partly used page holds the run: take in finished background maps,
         grow if the backed pages are still short, then take. Empty pages that were backed before the call
         (reserve, pending, background maps already done) count as reserve hits; pages this call had to
         wait for or map count as misses."""
-        if n > self._free_backed and self._inflight:
+        book = self._book
+        if n > book.free_backed and book.inflight:
             self._take_in()
-        ready = len(self._reserve) + len(self._pending_epoch)
-        if n > self._free_backed and not self._grow(n):
+        ready = len(book.reserve) + len(book.pending_epoch)
+        if n > book.free_backed and not self._grow(n):
             return None
-        out, acquired = self._take_blocks(n)
+        out, acquired = book.take_blocks(n)
         if acquired:
             missed = max(0, acquired - ready)
             self._misses += missed
             self._hits += acquired - missed
             self._policy.note_acquired(acquired)
             if self._async and self._cfg.premap:
-                self._refill_async(self._reserve_goal() - len(self._reserve) - self._inflight_pages)
+                self._backing.refill_async(self._reserve_goal() - len(book.reserve) - book.inflight_pages)
         return out
 
     def _grow(self, n: int) -> bool:
-        """Make ``_free_backed >= n``: wait for the background maps that cover the shortfall (the oldest
+        """Make ``free_backed >= n``: wait for the background maps that cover the shortfall (the oldest
         first: they finish first; the rest keep landing while the engine runs), then -- only if those
         failed -- for all of them (a synchronous map would queue behind them in the driver anyway), and
         map what is still missing. False -- with nothing changed but pages that landed -- when the pool
         cannot grow that much."""
-        if self._inflight:
-            self._take_in(wait=True, jobs=self._jobs_covering(n - self._free_backed))
-            if n > self._free_backed and self._inflight:
+        book = self._book
+        if book.inflight:
+            self._take_in(wait=True, jobs=book.jobs_covering(n - book.free_backed))
+            if n > book.free_backed and book.inflight:
                 self._take_in(wait=True)
-        short = n - self._free_backed
+        short = n - book.free_backed
         if short <= 0:
             return True
-        if short > self._unmapped_blocks or self._phys.over_limit():
+        if short > book.unmapped_blocks or self._phys.over_limit():
             return False  # too few blocks, or shrinking: no new pages until live blocks drain
-        pages: list[int] = []
-        capacity = 0
-        while capacity < short:
-            pages.append(self._pop_unmapped())
-            capacity += self._cap(pages[-1])
-        try:
-            self._map_now(pages)
-        except PoolExhausted:
-            self._unpop_unmapped(pages)
-            return False
-        except BaseException:
-            self._unpop_unmapped(pages)  # a driver error after the data plane's rollback: nothing changed
-            raise
-        for page in pages:
-            self._page_to_reserve(page)
-        return True
+        return self._backing.back_now(self._book.pop_unmapped_for(short))
 
     def free(self, ids: Iterable[int]) -> None:
         """Return live blocks. Pages that empty go to the reserve (up to its cap), wait for
@@ -300,44 +257,19 @@ class KVCacheManager(PageBacking):
         blocks = ids if type(ids) is list else list(ids)
         if not blocks:
             return
-        if get_ident() != self._owner:
-            self._refuse()
-        live, nb = self._live, self._nb
-        for b in blocks:
-            # live[b] is 1 for an issued block, 0 for a free one, 2 for the null block
-            if type(b) is not int or not 0 <= b < nb or live[b] != 1:
-                raise ValueError(self._bad_id_message(blocks))
-        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
-            raise ValueError(self._bad_id_message(blocks))
-        emptied = self._return_blocks(blocks)
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        self._book.check_free(blocks)
+        emptied = self._book.return_blocks(blocks)
         if emptied:
             self._retire(emptied)
-
-    def _bad_id_message(self, blocks: Sequence[int]) -> str:
-        seen: set[int] = set()
-        for b in blocks:
-            if type(b) is not int:
-                return f"block id {b!r} is not an int"
-            if not 0 <= b < self._nb:
-                return f"block id {b} outside this pool's 0..{self._nb - 1}"
-            if b == self._null:
-                return f"block {b} is the null block; it is never freed"
-            if b in seen:
-                return f"block {b} appears twice in one free()"
-            if not self._live[b]:
-                return f"block {b} is not live (double free, or an id this pool never issued)"
-            seen.add(b)
-        raise AssertionError("no bad id")  # pragma: no cover
 
     def _retire(self, pages: list[int]) -> None:
         """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap."""
         if self._cfg.defer_release:
-            for p in pages:
-                self._page_state[p] = PENDING
-                self._pending_epoch[p] = self._epoch
-                self._pending.append((self._epoch, p))
-            return
-        self._release_empty(pages)
+            self._book.defer(pages, self._epoch)
+        else:
+            self._release_empty(pages)
 
     def _release_empty(self, pages: list[int]) -> None:
         """Empty backed pages that may be unmapped now: to the reserve while it is under its cap and the
@@ -345,13 +277,12 @@ class KVCacheManager(PageBacking):
         unmap: list[int] = []
         cap = self._cfg.reserve_max_pages
         for p in pages:
-            if len(self._reserve) < cap and not self._phys.over_limit():
-                self._page_state[p] = RESERVE
-                self._reserve.append(p)
+            if len(self._book.reserve) < cap and not self._phys.over_limit():
+                self._book.keep_in_reserve([p])
             else:
                 unmap.append(p)
         if unmap:
-            self._unmap_now(unmap)
+            self._backing.unmap_now(unmap)
 
     # -- epochs -----------------------------------------------------------------------------------------
 
@@ -359,22 +290,17 @@ class KVCacheManager(PageBacking):
         """Start a new release epoch and return its number. Call it when the engine launches GPU work that
         may touch blocks freed later; pages emptied from now on wait for ``release_through`` of this
         epoch (or a later one) before they can be unmapped."""
-        if get_ident() != self._owner:
-            self._refuse()
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
         self._epoch += 1
         return self._epoch
 
     def release_through(self, epoch: int) -> int:
         """The engine's GPU work launched up to ``epoch`` has finished: pages emptied in epochs <= ``epoch``
         may be unmapped now (or kept in the reserve). Returns how many pages left the pending state."""
-        if get_ident() != self._owner:
-            self._refuse()
-        ready: list[int] = []
-        while self._pending and self._pending[0][0] <= epoch:
-            e, p = self._pending.popleft()
-            if self._pending_epoch.get(p) == e:  # else: reused since, or emptied again later
-                del self._pending_epoch[p]
-                ready.append(p)
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        ready = self._book.pop_released(epoch)
         if ready:
             self._release_empty(ready)
         return len(ready)
@@ -393,9 +319,9 @@ class KVCacheManager(PageBacking):
         ``free_memory_ttl_s``), sizes the reserve from recent growth and refills or trims it, and publishes
         a snapshot.
         """
-        if get_ident() != self._owner:
-            self._refuse()
-        if self._inflight:
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        if self._book.inflight:
             self._take_in()
         events = self._phys.poll()
         trimmed = False
@@ -414,13 +340,14 @@ class KVCacheManager(PageBacking):
         # Light steps keep what the heavy steps left (the reserve module), up to the cap: background maps
         # that land after their pages' demand was met can take the reserve above it.
         ceiling = self._cfg.reserve_max_pages if self._light else target
-        if len(self._reserve) > ceiling:
+        book = self._book
+        if len(book.reserve) > ceiling:
             self._trim_reserve(ceiling)
-        if not trimmed and self._cfg.premap and len(self._reserve) + self._inflight_pages < target:
+        if not trimmed and self._cfg.premap and len(book.reserve) + book.inflight_pages < target:
             if self._async:
-                self._refill_async(target - len(self._reserve) - self._inflight_pages)
+                self._backing.refill_async(target - len(book.reserve) - book.inflight_pages)
             else:
-                self._refill_sync(target - len(self._reserve))
+                self._backing.refill_sync(target - len(book.reserve))
         if events is not None and (events.trim_requested or events.limit_changed):
             self._phys.publish_now(self._snapshot())  # kvctl waits for the pool's answer
         else:
@@ -444,40 +371,33 @@ class KVCacheManager(PageBacking):
         pass without such demand. Does nothing without an asynchronous mapper, with ``premap`` off, or
         while the pool is over its limit. ``ValueError`` if ``blocks < 0``.
         """
-        if blocks <= self._free_backed:
+        book = self._book
+        if blocks <= book.free_backed:
             if blocks < 0:
                 raise ValueError(f"cannot expect {blocks} blocks")
             return 0
-        if get_ident() != self._owner:
-            self._refuse()
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
         if not (self._async and self._cfg.premap):
             return 0
-        pages = -(-(blocks - self._free_backed) // self._bpp)
+        pages = -(-(blocks - book.free_backed) // book.bpp)
         self._policy.note_expected(pages)
-        room = self._cfg.reserve_max_pages - len(self._reserve) - self._inflight_pages
-        want = min(pages - self._inflight_pages, room)
+        room = self._cfg.reserve_max_pages - len(book.reserve) - book.inflight_pages
+        want = min(pages - book.inflight_pages, room)
         if want <= 0:
             return 0
-        before = self._inflight_pages
+        before = book.inflight_pages
         for _ in range(want):
-            queued = self._inflight_pages
-            self._refill_async(1)
-            if self._inflight_pages == queued:
+            queued = book.inflight_pages
+            self._backing.refill_async(1)
+            if book.inflight_pages == queued:
                 break  # no headroom left
-        return self._inflight_pages - before
-
-    def _jobs_covering(self, blocks: int) -> int:
-        """How many of the oldest background maps in flight hold ``blocks`` blocks (0: all of them)."""
-        for count, pages in enumerate(self._inflight.values(), 1):
-            blocks -= sum(self._cap(p) for p in pages)
-            if blocks <= 0:
-                return count
-        return 0
+        return book.inflight_pages - before
 
     def _take_in(self, wait: bool = False, jobs: int = 0) -> None:
-        """Collect finished background maps (see :meth:`_collect`); if the limit was lowered while they
-        were in flight, the pages that landed go straight back."""
-        self._collect(wait, jobs)
+        """Collect finished background maps (:meth:`PageBacking.collect`); if the limit was lowered while
+        they were in flight, the pages that landed go straight back."""
+        self._backing.collect(wait, jobs)
         if self._phys.over_limit():
             self._trim_reserve(0)
 
@@ -486,9 +406,9 @@ class KVCacheManager(PageBacking):
 
         Engines call it before sleeping or tearing a pool down; tests call it to make a pool's state
         independent of the background thread's timing."""
-        if get_ident() != self._owner:
-            self._refuse()
-        if self._inflight:
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        if self._book.inflight:
             self._take_in(wait=True)
 
     # -- limits -----------------------------------------------------------------------------------------
@@ -499,8 +419,8 @@ class KVCacheManager(PageBacking):
         live blocks drain; a page with live blocks is never unmapped. ``ValueError`` if negative."""
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes={limit_bytes} must be >= 0 (0 = no limit)")
-        if get_ident() != self._owner:
-            self._refuse()
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
         self._apply_limit(limit_bytes)
 
     def _apply_limit(self, limit_bytes: int) -> None:
@@ -515,26 +435,25 @@ class KVCacheManager(PageBacking):
         unmapped. Pages pending release stay until their epoch is released. ``ValueError`` if ``keep < 0``."""
         if keep < 0:
             raise ValueError(f"keep={keep} must be >= 0")
-        if get_ident() != self._owner:
-            self._refuse()
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
         return self._trim_reserve(keep)
 
     def _trim_reserve(self, keep: int) -> int:
-        excess = len(self._reserve) - keep
+        excess = len(self._book.reserve) - keep
         if excess <= 0:
             return 0
-        pages = self._reserve[:excess]  # the oldest reserve pages go first
-        del self._reserve[:excess]
-        self._unmap_now(pages)
+        pages = self._book.take_oldest_reserve(excess)
+        self._backing.unmap_now(pages)
         return len(pages)
 
     def clear(self) -> None:
         """Free every live block but the null block (engine reset), then unmap the reserve. With
         ``defer_release`` the emptied pages still wait for ``release_through``."""
-        if get_ident() != self._owner:
-            self._refuse()
-        live = [b for b in range(self._nb) if self._live[b] == 1]  # (the null block is 2)
-        emptied = self._return_blocks(live) if live else []
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        live = self._book.issued_blocks()
+        emptied = self._book.return_blocks(live) if live else []
         if emptied:
             self._retire(emptied)
         self._trim_reserve(0)
@@ -542,18 +461,17 @@ class KVCacheManager(PageBacking):
     def close(self) -> None:
         """Unmap every page (the null block's too) and return the charge. The pool is unusable after;
         idempotent. Only call it when no GPU work can touch the pool any more."""
-        if get_ident() != self._thread:
-            self._check_thread()
-        if self._closed:
+        if get_ident() != self._guard.thread:
+            self._guard.check_thread()
+        if self._guard.closed:
             return
-        if self._broken is None:
-            if self._inflight:
+        if self._guard.broken is None:
+            if self._book.inflight:
                 self._take_in(wait=True)
             backed = self.mapped_pages()
             if backed:
-                self._unmap_now(backed, closing=True)
-        self._closed = True
-        self._owner = -1
+                self._backing.unmap_now(backed, closing=True)
+        self._guard.close()
 
     # -- snapshot ---------------------------------------------------------------------------------------
 
@@ -568,35 +486,13 @@ class KVCacheManager(PageBacking):
             self._phys.publish_now(self._snapshot())
 
     def _snapshot(self) -> PoolSnapshot:
-        if self._closed:
-            state = PoolState.CLOSED
-        elif self._broken is not None:
-            state = PoolState.INCONSISTENT
-        elif self._phys.over_limit():
-            state = PoolState.SHRINKING
-        else:
-            state = PoolState.ACTIVE
-        has_null = self._null is not None
-        return PoolSnapshot(
-            name=self._name,
-            state=state,
-            block_size_bytes=self._geo.block_bytes,
-            page_size=self._geo.page_size,
-            page_bytes=self._geo.page_bytes,
-            blocks_per_page=self._bpp,
-            total_blocks=self._nb,
-            used_blocks=self._live_count() - has_null,
-            free_blocks=self._nb - self._live_count(),
+        return pool_snapshot(
+            self._guard,
+            self._book,
+            self._phys,
+            has_null=self._null is not None,
             available_blocks=self.available_size(),
-            total_pages=self._npages,
-            mapped_pages=self._npages - len(self._unmapped) - self._inflight_pages,
-            reserve_pages=len(self._reserve),
-            pending_pages=len(self._pending_epoch),
-            inflight_pages=self._inflight_pages,
-            mapped_bytes=self._phys.charged,
-            limit_bytes=self._phys.limit,
-            reserve_hits=self._hits,
-            reserve_misses=self._misses,
+            hits=self._hits,
+            misses=self._misses,
             epoch=self._epoch,
-            timestamp=time.time(),
         )
