@@ -63,7 +63,7 @@ def test_each_stage_backs_its_own_layers_on_the_same_pages(llm: Any, registry_di
 
 
 def test_the_device_is_charged_for_every_stage(llm: Any, registry_dir: Path) -> None:
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
 
     generate(llm)
 
