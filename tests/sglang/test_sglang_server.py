@@ -235,3 +235,19 @@ def test_sleep_and_wake_over_http(server: Server, body: dict[str, Any]) -> None:
     assert _pool_json(server)["snapshot"]["used_blocks"] > 0  # it maps on demand again
     log = server.log_path.read_text()
     assert "Traceback" not in log and "memory leak detected" not in log
+
+
+def test_sigterm_removes_the_pool_record(server: Server) -> None:
+    """Last in this module (it stops the server): SIGTERM to ``launch_server`` -- what ``docker stop`` and
+    ``systemctl stop`` send -- ends every process of the engine, and the pool's record is gone without a
+    later scan reclaiming it."""
+    import psutil
+    from elastic_kv.registry import Registry
+
+    procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+    assert POOL in {p.name for p in Registry(server.registry).pools(reclaim=False)}
+    server.proc.terminate()
+    server.proc.wait(timeout=120)
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, alive
+    assert sorted(p.name for p in server.registry.iterdir() if p.suffix == ".pool") == []
