@@ -177,15 +177,23 @@ def test_ping_pong_tracking_slots_are_elastic_too(env: pytest.MonkeyPatch) -> No
         pool.mamba_pool.elastic.close()
 
 
-def test_slots_under_a_limit_fail_cleanly_and_report_what_can_be_backed(env: pytest.MonkeyPatch) -> None:
+def test_slots_under_a_limit_fail_cleanly_and_report_what_can_be_backed(
+    env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ELASTIC_KV_LIMIT`` does not apply to the state pool (SGLang cannot act on it); a limit set on it
+    later (``kvctl``) bounds what is backed: allocation beyond it fails with nothing taken."""
+    from elastic_kv.registry_view import Registry
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
 
-    probe = ElasticHybridReqToTokenPool(**_kwargs())
-    page_bytes = probe.mamba_pool.elastic.geometry.page_bytes
-    probe.mamba_pool.elastic.close()
-    env.setenv("ELASTIC_KV_LIMIT", str(3 * page_bytes))
+    env.setenv("ELASTIC_KV_LIMIT", str(1 << 20))
     pool = ElasticHybridReqToTokenPool(**_kwargs())
     alloc = pool.mamba_allocator
+    ledger = pool.mamba_pool.elastic.ledger
+    assert ledger.snapshot().limit_bytes == 0
+    page_bytes = pool.mamba_pool.elastic.geometry.page_bytes
+    Registry(tmp_path).set_limit("sglang-mamba", 3 * page_bytes)
+    ledger.maintain()  # the ledger reads its limit from the registry
+    assert ledger.snapshot().limit_bytes == 3 * page_bytes
     try:
         assert alloc.available_size() == MAMBA_SLOTS  # logical, for SGLang's idle leak check
         backable = alloc.schedulable_available_size()

@@ -15,6 +15,11 @@ slot padded rows write to. Here:
   to the ledger when SGLang frees it: a request finishing, a retraction, or the Mamba radix cache
   evicting a cached state. ``available_size()`` stays logical (SGLang's idle leak check counts on it);
   :meth:`ElasticMambaSlotAllocator.schedulable_available_size` is what can be backed now.
+* The state pool is bounded by SGLang's own slot count (``--max-mamba-cache-size``), which its admission
+  respects (it caps running requests by it); ``ELASTIC_KV_LIMIT`` is not applied to it, because SGLang
+  0.5.23 treats a state slot it cannot get as fatal (an assertion in ``HybridReqToTokenPool.alloc``), so
+  a byte limit below the live states' need could only crash the engine. A limit set later with ``kvctl``
+  makes the ledger refuse to back new slots, with that same outcome.
 * :class:`ElasticHybridReqToTokenPool` is SGLang's ``HybridReqToTokenPool`` with both of them. The
   hook on ``KVCacheConfigurator._build_hybrid_req_pool`` makes SGLang build it with its own arguments.
 
@@ -119,6 +124,9 @@ class ElasticMambaPool(MambaPool):
             config=config,
             label=f"mamba-{self.num_mamba_layers}l",
             part="mamba",
+            # SGLang sizes running requests by the pool's slot count and treats a slot it cannot get as
+            # fatal; it cannot defer or retract for a byte limit here, so ELASTIC_KV_LIMIT does not apply.
+            start_limit=False,
         )
         views = [
             self.elastic.view(index, 0, (t.shape[0], slots, *t.shape[2:]), t.dtype)
