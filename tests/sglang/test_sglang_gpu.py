@@ -55,3 +55,57 @@ def test_cuda_pool_roundtrip_and_deferred_release(monkeypatch: pytest.MonkeyPatc
     alloc.clear()
     assert ledger.snapshot().mapped_pages == 1
     pool.elastic.close()
+
+
+def test_cuda_mamba_state_pool_fused_slot_ops_and_deferred_release(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The state super-cell on a GPU: bf16 conv states take SGLang's fused slot kernels (clear / copy),
+    which must describe the elastic tensors (not the one-slot tensors SGLang's constructor built first),
+    and a freed slot's page stays mapped until the step that may still read it has finished."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
+
+    tmp_path.chmod(0o700)
+    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
+    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
+    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
+    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
+    shape = Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=4096, n_groups=16, num_heads=32, head_dim=128, state_size=128,
+        conv_kernel=4,
+    )  # fmt: skip
+    params = Mamba2CacheParams(
+        shape=shape, layers=[0, 1, 2], dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    )
+    pool = ElasticHybridReqToTokenPool(
+        size=64, mamba_size=1024, mamba_spec_state_size=64, max_context_len=4096, device="cuda",
+        enable_memory_saver=False, cache_params=params, mamba_layer_ids=[0, 1, 2],
+        enable_mamba_extra_buffer=False, enable_overlap_schedule=True,
+    )  # fmt: skip
+    mamba = pool.mamba_pool
+    assert mamba.mamba_cache.temporal.is_cuda and mamba.mamba_cache.temporal.shape[1] == 1025
+    alloc = pool.mamba_allocator
+    slots = alloc.alloc(300)
+    assert slots is not None
+    src, dst = slots[:100], slots[100:200]
+    for t in [*mamba.mamba_cache.conv, mamba.mamba_cache.temporal]:
+        t[:, src] = 3
+    mamba.copy_from(src, dst)  # fused on CUDA bf16 conv
+    mamba.clear_slots(src)
+    torch.cuda.synchronize()
+    for t in [*mamba.mamba_cache.conv, mamba.mamba_cache.temporal]:
+        assert bool((t[:, dst] == 3).all()) and bool((t[:, src] == 0).all())
+
+    ledger = mamba.elastic.ledger
+    charged = ledger.charged_bytes
+    alloc.elastic_step_begin()
+    alloc.free(slots)
+    alloc.elastic_step_end()
+    assert ledger.charged_bytes == charged  # deferred: the step that read them may still run
+    alloc.elastic_step_begin()
+    alloc.elastic_step_end()
+    assert ledger.charged_bytes < charged
+    pool.clear()
+    assert ledger.snapshot().mapped_pages == 1
+    mamba.elastic.close()

@@ -328,7 +328,7 @@ def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatc
 
         verify_configured_after(
             SimpleNamespace(token_to_kv_pool_allocator=built),
-            SimpleNamespace(_page_major_enabled=lambda: False),
+            SimpleNamespace(_page_major_enabled=lambda: False, mambaish_config=None),
         )
     finally:
         _close(pool)

@@ -390,19 +390,6 @@ def test_speculative_decoding_is_refused_before_anything_is_built() -> None:
     refuse_unserved_before(object(), SimpleNamespace(speculative_algorithm=None))  # no speculation: served
 
 
-def test_mamba_hybrids_are_refused_before_anything_is_built() -> None:
-    import transformers
-    from sglang_elastic_kv.hooks import build_allocator_around
-
-    def never(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the allocator was built")
-
-    configurator = _configurator()
-    configurator.mambaish_config = transformers.Qwen3NextConfig()  # what SGLang's mambaish_config returns
-    with pytest.raises(ConfigError, match=r"Mamba / hybrid-linear models \(Qwen3NextConfig\)"):
-        build_allocator_around(never, configurator, token_to_kv_pool_allocator=None)
-
-
 def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:
     """The configurator's result is checked: a native allocator (a path that bypassed the seams) or the
     page-major layout fails start-up. The configurator here is a stand-in: building SGLang's needs a model."""
@@ -412,7 +399,7 @@ def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:
     from sglang_elastic_kv.hooks import verify_configured_after
 
     pool, alloc = token_setup
-    plain_cfg = SimpleNamespace(_page_major_enabled=lambda: False)
+    plain_cfg = SimpleNamespace(_page_major_enabled=lambda: False, mambaish_config=None)
     verify_configured_after(SimpleNamespace(token_to_kv_pool_allocator=alloc), plain_cfg)
     native = TokenToKVPoolAllocator(512, torch.float32, "cpu", pool, False)
     with pytest.raises(ConfigError, match="without the platform seams"):
@@ -420,5 +407,5 @@ def test_configured_cache_must_be_elastic(token_setup: tuple[Any, Any]) -> None:
     with pytest.raises(ConfigError, match="page-major"):
         verify_configured_after(
             SimpleNamespace(token_to_kv_pool_allocator=alloc),
-            SimpleNamespace(_page_major_enabled=lambda: True),
+            SimpleNamespace(_page_major_enabled=lambda: True, mambaish_config=None),
         )

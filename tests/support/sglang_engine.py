@@ -177,6 +177,7 @@ def start_engine(
     *,
     backend: str,
     env: Mapping[str, str] | None = None,
+    start_timeout_s: float = 300.0,
     **engine_kwargs: Any,
 ) -> EngineProcess:
     """Start an SGLang CPU engine named ``name`` (its log: ``.cache/logs/sglang/<name>.log``).
@@ -186,7 +187,9 @@ def start_engine(
     """
     kwargs = {**CPU_ENGINE_KWARGS, "max_total_tokens": 4096, **engine_kwargs}
     full_env = {"ELASTIC_KV_SGLANG_BACKEND": backend, **(env or {})}
-    return EngineProcess(model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log")
+    return EngineProcess(
+        model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log", start_timeout_s=start_timeout_s
+    )
 
 
 def settled_snapshot(

@@ -1,4 +1,5 @@
-"""A tiny hybrid sliding-window (SWA) model that SGLang 0.5.23 serves with its SWA memory path.
+"""Tiny models of the families SGLang 0.5.23 serves with their own memory paths: a hybrid sliding-window
+(SWA) model and a Qwen3-Next (Mamba / linear-attention state pool, :class:`TinyGDNSpec`).
 
 SGLang routes an architecture to ``SWAKVPool`` / ``SWATokenToKVPoolAllocator`` when
 ``is_hybrid_swa_model`` (``srt/configs/model_config.py``) lists it. Of the listed architectures,
@@ -98,4 +99,96 @@ def _build(spec: TinySWASpec, path: Path, tokenizer_dir: Path) -> None:
     )
     torch.manual_seed(spec.seed)
     transformers.LagunaForCausalLM(cfg).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+
+
+# The test-only plugin for the Triton-only steps of SGLang 0.5.23's GDN path on a CPU without AMX (see its
+# module docstring); its directory goes on a GDN engine's PYTHONPATH, native and elastic engines alike.
+CPU_GDN = REPO_ROOT / "tests" / "support" / "sglang_cpu_gdn"
+GDN_ENGINE_ENV = {"PYTHONPATH": str(CPU_GDN)}
+
+
+@dataclass(frozen=True)
+class TinyGDNSpec:
+    """Shape of a tiny Qwen3-Next: gated-delta-net (linear attention) layers and one full-attention layer
+    every ``full_attention_interval``; MoE MLPs with a gated shared expert, as SGLang builds every Qwen3-Next
+    layer. SGLang runs it on the CPU with the GDN kernels of the ``sgl_kernel`` stand-in."""
+
+    name: str = "tiny-qwen3-next"
+    vocab_size: int = 1024  # the tiny Llama's tokenizer
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    full_attention_interval: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 2
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 64
+    shared_expert_intermediate_size: int = 64
+    intermediate_size: int = 256
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+def tiny_gdn_model(spec: TinyGDNSpec = TinyGDNSpec(), cache_dir: Path | None = None) -> Path:
+    """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
+    path = root / spec.name
+    done = path / ".complete"
+    if done.exists():
+        return path
+    tokenizer_dir = tiny_model(cache_dir=cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            _build_gdn(spec, path, tokenizer_dir)
+            done.write_text(json.dumps(asdict(spec)))
+    return path
+
+
+def _build_gdn(spec: TinyGDNSpec, path: Path, tokenizer_dir: Path) -> None:
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    layers = spec.num_hidden_layers
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        linear_key_head_dim=spec.linear_key_head_dim,
+        linear_value_head_dim=spec.linear_value_head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+        layer_types=[
+            "full_attention" if (i + 1) % spec.full_attention_interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        # SGLang's Qwen3-Next config derives the layer kinds from this (transformers' from layer_types).
+        full_attention_interval=spec.full_attention_interval,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+        decoder_sparse_step=1,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    torch.manual_seed(spec.seed)
+    transformers.Qwen3NextForCausalLM(cfg).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)

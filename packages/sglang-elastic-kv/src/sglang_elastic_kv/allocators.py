@@ -85,8 +85,17 @@ class ElasticAllocatorMixin:
     """Scheduler-facing capacity hooks shared by both elastic allocators (see the module docstring)."""
 
     _kvcache: Any
+    # The elastic pool whose ledger backs the slots: the KV pool itself, or the full-attention pool inside
+    # SGLang's ``HybridLinearKVPool`` (Mamba / linear-attention hybrids keep their state in the request pool).
+    _elastic_pool: Any
 
     def _ledger_of(self, kvcache: Any) -> Any:
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+        if isinstance(kvcache, HybridLinearKVPool):
+            compat.check_instance(kvcache, "sglang.srt.mem_cache.memory_pool.HybridLinearKVPool")
+            kvcache = kvcache.full_kv_pool
+        self._elastic_pool = kvcache
         if not isinstance(kvcache, ElasticKVPool) or kvcache.elastic is None:
             raise ConfigError(
                 f"--kv-cache-backend=elastic needs an elastic KV pool under the allocator, got "
@@ -97,6 +106,9 @@ class ElasticAllocatorMixin:
         return kvcache.elastic.ledger
 
     _ledger: Any
+    # Allocators of other elastic memory of this scheduler that follow this one's steps (a hybrid
+    # model's Mamba slot allocator, :mod:`sglang_elastic_kv.mamba`).
+    _attached: tuple[Any, ...] = ()
     _prev_epoch: int = 0
     _asleep: bool = False
     _maintain_interval_s: float = 0.0
@@ -110,13 +122,23 @@ class ElasticAllocatorMixin:
         self._ledger.release_through(self._ledger.epoch)
         self._ledger.settle()  # background maps queued so far join the reserve, which trim then unmaps
         self._ledger.trim()
-        released = self._kvcache.elastic.release_cached_handles()
+        released = self._elastic_pool.elastic.release_cached_handles()
         logger.info("elastic KV pool asleep: reserve unmapped, %d cached handle bytes released", released)
-        self._kvcache.elastic.publish()
+        self._elastic_pool.elastic.publish()
+        for other in self._attached:
+            other.elastic_sleep()
 
     def elastic_wake(self) -> None:
         """The engine resumed its KV memory: blocks are mapped on demand again."""
         self._asleep = False
+        for other in self._attached:
+            other.elastic_wake()
+
+    def elastic_attach(self, other: Any) -> None:
+        """Drive ``other`` (``elastic_step_begin/_end``, ``elastic_idle_check``, ``elastic_sleep/_wake``)
+        from this allocator's free groups, idle checks and sleep/wake."""
+        if not any(other is known for known in self._attached):
+            self._attached = (*self._attached, other)
 
     def elastic_available_size(self) -> int:
         """Token slots an allocation can get now without unmapped memory running out (<= available_size)."""
@@ -135,7 +157,7 @@ class ElasticAllocatorMixin:
         cap_blocks = snap.limit_bytes // snap.page_bytes * snap.blocks_per_page
         # The null block shares page 0 with others but is never counted as used.
         live = snap.used_blocks + (self._ledger.null_block is not None)
-        return (cap_blocks - live) * int(self._kvcache.rows_per_block)
+        return (cap_blocks - live) * int(self._elastic_pool.rows_per_block)
 
     # -- once per engine step: SGLang opens a free group around every batch result it processes --------
 
@@ -154,12 +176,16 @@ class ElasticAllocatorMixin:
         (overlap scheduling runs one batch ahead). Called at every free group's start, by this allocator or
         by the composite that owns it (the SWA allocator drives its SWA side without SGLang's free groups)."""
         self._ledger.advance_epoch()
+        for other in self._attached:
+            other.elastic_step_begin()
 
     def elastic_step_end(self) -> None:
         """The ledger's step housekeeping, at every free group's end: the batch whose results were processed
         one group ago has finished, so pages emptied before it can be unmapped; reserve, limit, snapshot."""
         self._ledger.release_through(self._prev_epoch)
         self._prev_epoch = self._ledger.epoch
+        for other in self._attached:
+            other.elastic_step_end()
         # Housekeeping costs tens of microseconds; a fast step (a small model on a CPU) need not pay it
         # every time. Allocation never depends on it: the ledger maps synchronously when its reserve is dry.
         now = time.monotonic()
@@ -177,9 +203,12 @@ class ElasticAllocatorMixin:
             self._ledger.maintain()
         held = self._held_blocks()
         used = self._ledger.used_blocks
-        if held != used:
-            return [f"elastic KV ledger has {used} live blocks, the allocator holds {held}"]
-        return []
+        problems = (
+            [f"elastic KV ledger has {used} live blocks, the allocator holds {held}"] if held != used else []
+        )
+        for other in self._attached:
+            problems += other.elastic_idle_check()
+        return problems
 
     def _held_blocks(self) -> int:
         raise NotImplementedError
@@ -226,7 +255,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
 
     def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
         self._ledger = self._ledger_of(kvcache)
-        chunk = int(kvcache.rows_per_block)
+        chunk = int(self._elastic_pool.rows_per_block)
         self._chunk = chunk
         self._num_chunks = -(-(size + 1) // chunk)
         # Slots a chunk contributes: slot 0 (padding) is never handed out; the last chunk may be short.
@@ -236,7 +265,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         self._cap_cpu = cap
         self._last_chunk = self._num_chunks - 1
         self._chunk_offsets = torch.arange(chunk, dtype=torch.int64)
-        self._grow_step = kvcache.elastic.geometry.blocks_per_page
+        self._grow_step = self._elastic_pool.elastic.geometry.blocks_per_page
         self._cap = cap.to(device)
         super().__init__(size, dtype, device, kvcache, need_sort)
         compat.check_instance(self, "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator")
@@ -360,9 +389,9 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
         self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
     ) -> None:
         self._ledger = self._ledger_of(kvcache)
-        if int(kvcache.rows_per_block) != page_size:
+        if int(self._elastic_pool.rows_per_block) != page_size:
             raise ConfigError(
-                f"elastic paged allocator: the pool's blocks hold {kvcache.rows_per_block} slots, "
+                f"elastic paged allocator: the pool's blocks hold {self._elastic_pool.rows_per_block} slots, "
                 f"the allocator's pages {page_size} (DCP-widened pages are not supported)"
             )
         self._owned_pages = 0

@@ -102,14 +102,17 @@ class ElasticBacking:
         config: PluginConfig,
         label: str,
         part: str | None = None,
+        start_limit: bool = True,
     ) -> ElasticBacking:
         """Reserve the spaces for ``buffers`` and build the ledger over ``num_blocks`` blocks.
 
         ``families`` say where each block lives (see :class:`BlockFamily`); block 0 is the padding
         block SGLang writes dummy tokens to and stays backed. ``part`` names one of several pools of one
         engine (SGLang's hybrid SWA pool has a ``full`` and an ``swa`` part): its registry name is
-        ``<ELASTIC_KV_POOL_NAME or sglang>-<part>``. Raises ConfigError when the layout cannot be served
-        (e.g. a block larger than the largest logical page the config allows).
+        ``<ELASTIC_KV_POOL_NAME or sglang>-<part>``. ``start_limit=False`` starts the pool without the
+        ``ELASTIC_KV_LIMIT`` byte limit (a pool whose engine cannot act on a limit). Raises ConfigError
+        when the layout cannot be served (e.g. a block larger than the largest logical page the config
+        allows).
         """
         from elastic_kv import _vmm
         from elastic_kv.device import default_min_free_bytes
@@ -129,6 +132,8 @@ class ElasticBacking:
             # Room for what the engines allocate outside their KV cache during a burst.
             if "ELASTIC_KV_MIN_FREE" not in config.pool_environ:
                 defaults["min_free_bytes"] = default_min_free_bytes(int(total))
+        if not start_limit:
+            defaults["limit_bytes"] = 0
         pool_config = config.pool_config(**defaults)
         geometry = BlockGeometry(
             [b.nbytes for b in buffers],

@@ -72,6 +72,8 @@ class Seams:
     startup_guard: str
     # The scheduler's constructor: server arguments the plugin refuses are checked before any worker.
     scheduler_init: str
+    # The builder of a Mamba / linear hybrid's request pool (its conv and SSM state pool).
+    hybrid_req_pool_builder: str
 
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
@@ -87,6 +89,7 @@ class Seams:
             self.resume_memory,
             self.startup_guard,
             self.scheduler_init,
+            self.hybrid_req_pool_builder,
         )
 
 
@@ -110,6 +113,7 @@ SEAMS: tuple[Seams, ...] = (
         resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
         startup_guard=f"{_POOLS}.KVCache.__init__",
         scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
+        hybrid_req_pool_builder=f"{_CONFIGURATOR}._build_hybrid_req_pool",
     ),
 )
 
@@ -129,21 +133,55 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
     "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
     _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
+    "sglang.srt.mem_cache.kv_cache_configurator": ("HybridReqToTokenPool",),
     _CONFIGURATOR: (
         "_build_token_to_kv_pool_allocator",
+        "_build_hybrid_req_pool",
         "configure",
         "_page_major_enabled",
         "spec_algorithm",
         "mambaish_config",
     ),
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm": ("is_none", "NONE"),
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult": ("token_to_kv_pool_allocator",),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult": (
+        "token_to_kv_pool_allocator",
+        "req_to_token_pool",
+    ),
     _WEIGHT_UPDATER: ("release_memory_occupation", "resume_memory_occupation"),
     "sglang.srt.managers.io_struct.ReleaseMemoryOccupationReqInput": ("tags",),
     "sglang.srt.managers.io_struct.ResumeMemoryOccupationReqInput": ("tags",),
     "sglang.srt.constants": ("GPU_MEMORY_TYPE_KV_CACHE",),
     "sglang.srt.mem_cache.common": ("release_kv_cache",),
-    _POOLS: ("KVCache", "MHATokenToKVPool", "MLATokenToKVPool"),
+    _POOLS: (
+        "KVCache",
+        "MHATokenToKVPool",
+        "MLATokenToKVPool",
+        "MambaPool",
+        "HybridReqToTokenPool",
+        "HybridLinearKVPool",
+    ),
+    f"{_POOLS}.MambaPool": (
+        "__init__",
+        "State",
+        "_conv_fuse_ok",
+        "_conv_slot_desc",
+        "_warmup_fused_copy_slot_kernel",
+    ),
+    f"{_POOLS}.MambaPool.State": ("conv", "temporal"),
+    f"{_POOLS}.HybridReqToTokenPool": ("mamba_pool_cls", "_init_mamba_pool", "clone_with_new_mamba"),
+    f"{_ALLOC}.mamba": ("MambaSlotAllocator",),
+    f"{_ALLOC}.mamba.MambaSlotAllocator": (
+        "__init__",
+        "clear",
+        "available_size",
+        "schedulable_available_size",
+        "alloc",
+        "_do_alloc",
+        "free",
+        "alloc_group_begin",
+        "alloc_group_end",
+    ),
+    "sglang.srt.utils": ("is_cpu", "is_npu", "cpu_has_amx_support", "get_num_new_pages"),
     f"{_POOLS}.KVCache": ("__init__",),
     f"{_POOLS}.MHATokenToKVPool": ("_create_buffers", "_create_buffers_normal", "_kv_buffer_shapes"),
     f"{_POOLS}.MLATokenToKVPool": ("_create_buffers",),
@@ -213,7 +251,6 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "full_evictable_size",
         "swa_evictable_size",
     ),
-    "sglang.srt.utils": ("get_num_new_pages",),
 }
 
 # Class (dotted) -> attributes its constructor sets on every instance, read by the plugin. Checked by
@@ -244,6 +281,23 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "custom_mem_pool",
     ),
     "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool": ("full_kv_pool", "swa_kv_pool"),
+    f"{_POOLS}.MambaPool": (
+        "size",
+        "device",
+        "mamba_cache",
+        "num_mamba_layers",
+        "enable_custom_mem_pool",
+        "mem_usage",
+    ),
+    f"{_POOLS}.HybridReqToTokenPool": (
+        "mamba_pool",
+        "mamba_allocator",
+        "mamba_ckpt_pool",
+        "short_conv_pool",
+        "ngram_pool",
+    ),
+    f"{_POOLS}.HybridLinearKVPool": ("full_kv_pool",),
+    f"{_ALLOC}.mamba.MambaSlotAllocator": ("size", "device", "free_slots", "_alloc_iter"),
     f"{_ALLOC}.token.TokenToKVPoolAllocator": (
         "size",
         "dtype",

@@ -14,13 +14,18 @@
    checked: an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or
    a non-elastic pool under it fails start-up with ConfigError. The all-sliding
    ``PureSWATokenToKVPoolAllocator`` becomes :class:`~sglang_elastic_kv.pure_swa.ElasticPureSWAAllocator`.
-   Speculative decoding (any ``--speculative-algorithm``) and Mamba / hybrid-linear models are refused
-   here (:func:`refuse_speculative`, :func:`refuse_state_pools`); speculative decoding already by a
-   BEFORE hook on ``Scheduler.__init__`` (:func:`refuse_unserved_before`), since SGLang builds the draft
-   worker before the KV pools.
+   Over a Mamba / linear hybrid's ``HybridLinearKVPool`` the allocator backs its elastic full-attention
+   pool. Speculative decoding (any ``--speculative-algorithm``) is refused here (:func:`refuse_speculative`)
+   and already by a BEFORE hook on ``Scheduler.__init__`` (:func:`refuse_unserved_before`), since SGLang
+   builds the draft worker before the KV pools.
+3b. ``KVCacheConfigurator._build_hybrid_req_pool`` (AROUND): a Mamba / linear hybrid's request pool, which
+   holds its per-request conv and SSM state, is built as the elastic
+   :class:`~sglang_elastic_kv.mamba.ElasticHybridReqToTokenPool` (:func:`build_hybrid_req_pool_around`).
 4. ``KVCacheConfigurator.configure`` (AFTER): the configured allocator must be elastic and the layout one
-   the elastic pool reproduces; a path that bypassed the seams (``--enable-unified-memory`` builds its
-   pools elsewhere) or asked for the page-major layout fails start-up instead of running native.
+   the elastic pool reproduces; a hybrid's request pool must be the elastic one, whose slot allocator then
+   follows the token allocator's release epochs, idle checks and sleep/wake; a path that bypassed the
+   seams (``--enable-unified-memory`` builds its pools elsewhere) or asked for the page-major layout fails
+   start-up instead of running native.
 5. ``release_memory_occupation`` / ``resume_memory_occupation`` (AFTER): SGLang flushes the cache on
    release (``clear()`` returns every block); the hook also puts the pools the configurator returned
    in this process (4. records them) to sleep, so that their idle housekeeping does not map a reserve
@@ -57,6 +62,7 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
     registry.register(seams.scheduler_init, refuse_unserved_before, hook_type.BEFORE)
     registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
+    registry.register(seams.hybrid_req_pool_builder, build_hybrid_req_pool_around, hook_type.AROUND)
     registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
     registry.register(seams.release_memory, release_memory_after, hook_type.AFTER)
     registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
@@ -127,16 +133,26 @@ def refuse_unserved_before(scheduler: Any, server_args: Any, *args: Any, **kwarg
     refuse_speculative(server_args.speculative_algorithm)
 
 
-def refuse_state_pools(mambaish_config: Any) -> None:
-    """ConfigError for Mamba / hybrid-linear models (``mambaish_config`` is SGLang's, None for others):
-    their per-request conv and SSM state lives in SGLang's ``HybridReqToTokenPool`` (``MambaPool``),
-    which this plugin does not make elastic, so it would stay preallocated beside an elastic KV pool."""
-    if mambaish_config is not None:
+def build_hybrid_req_pool_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's hybrid request pool for Mamba / linear hybrids, built as
+    :class:`~sglang_elastic_kv.mamba.ElasticHybridReqToTokenPool` with SGLang's own arguments: the builder
+    names ``HybridReqToTokenPool`` from its module, which points at the elastic subclass for this call."""
+    from sglang.srt.mem_cache import kv_cache_configurator
+
+    from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
+
+    native = kv_cache_configurator.HybridReqToTokenPool
+    kv_cache_configurator.HybridReqToTokenPool = ElasticHybridReqToTokenPool
+    try:
+        pool = original(configurator, *args, **kwargs)
+    finally:
+        kv_cache_configurator.HybridReqToTokenPool = native
+    if not isinstance(pool, ElasticHybridReqToTokenPool):
         raise ConfigError(
-            "--kv-cache-backend=elastic does not serve Mamba / hybrid-linear models "
-            f"({type(mambaish_config).__name__}): their conv and SSM state pool (HybridReqToTokenPool) is "
-            "not elastic; use --kv-cache-backend=native"
+            f"--kv-cache-backend=elastic: SGLang built {type(pool).__name__} for this hybrid model's state, "
+            "not the elastic request pool; use --kv-cache-backend=native"
         )
+    return pool
 
 
 def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
@@ -151,7 +167,6 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
 
     spec = configurator.spec_algorithm
     refuse_speculative(None if spec.is_none() else str(spec.name))
-    refuse_state_pools(configurator.mambaish_config)
     allocator = original(configurator, *args, **kwargs)
 
     if type(allocator) is TokenToKVPoolAllocator:
@@ -206,8 +221,30 @@ def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs
             f"--kv-cache-backend=elastic: SGLang configured {type(allocator).__name__} without the platform "
             "seams this plugin serves (e.g. --enable-unified-memory); use --kv-cache-backend=native"
         )
+    if configurator.mambaish_config is not None:
+        attach_state_pool(allocator, result.req_to_token_pool)
     if not any(allocator is known for known in _configured):  # record each allocator once
         _configured.append(allocator)
+
+
+def attach_state_pool(allocator: Any, req_to_token_pool: Any) -> None:
+    """A Mamba / linear hybrid: its state pool must be elastic, and its slot allocator follows the token
+    allocator's release epochs, idle checks and sleep/wake (:meth:`ElasticAllocatorMixin.elastic_attach`)."""
+    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+    from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
+
+    if not isinstance(req_to_token_pool, ElasticHybridReqToTokenPool):
+        raise ConfigError(
+            "--kv-cache-backend=elastic: this hybrid model's state lives in "
+            f"{type(req_to_token_pool).__name__}, not the elastic request pool (a path that bypasses "
+            "_build_hybrid_req_pool, e.g. --enable-unified-memory); use --kv-cache-backend=native"
+        )
+    if not isinstance(allocator, ElasticAllocatorMixin):
+        raise ConfigError(
+            "--kv-cache-backend=elastic does not serve Mamba / linear hybrids with "
+            f"{type(allocator).__name__}"
+        )
+    allocator.elastic_attach(req_to_token_pool.mamba_allocator)
 
 
 def _kv_tags(recv_req: Any) -> bool:

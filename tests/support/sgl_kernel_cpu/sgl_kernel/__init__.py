@@ -2,10 +2,11 @@
 
 No CPU build of sgl-kernel is published, and SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``)
 imports two functions from it on the dense-attention path. This package provides exactly those two,
-written in plain torch, and a stub for every other name that raises when called (never silently
-computes something). It is test infrastructure: it is put on ``PYTHONPATH`` only for SGLang CPU
-engine processes (see ``tests/sglang/conftest.py``) and never installed, and must never shadow a
-real sgl_kernel.
+written in plain torch, the linear-attention (GDN) kernels of :mod:`sgl_kernel.mamba` (two of them
+registered as ``torch.ops.sgl_kernel`` ops, as the real build does), and a stub for every other name
+that raises when called (never silently computes something). It is test infrastructure: it is put on
+``PYTHONPATH`` only for SGLang CPU engine processes (see ``tests/sglang/conftest.py``) and never
+installed, and must never shadow a real sgl_kernel.
 """
 
 from __future__ import annotations
@@ -67,6 +68,29 @@ def copy_all_layer_kv_cache_cpu(
         for tgt, src in pairs:
             if tgt != src:
                 ctypes.memmove(base + tgt * stride, base + src * stride, stride)
+
+
+# ``torch.ops.sgl_kernel.<name>`` ops SGLang's CPU GDN path resolves at import (sgl_kernel.mamba's docstring).
+_OPS = torch.library.Library("sgl_kernel", "FRAGMENT")
+
+
+def _register_ops() -> None:
+    from sgl_kernel import mamba
+
+    _OPS.define("fused_gdn_gating_cpu(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) -> (Tensor, Tensor)")
+    _OPS.impl("fused_gdn_gating_cpu", mamba.fused_gdn_gating_cpu, "CPU")
+    _OPS.define(
+        "fused_sigmoid_gating_delta_rule_update_cpu(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, "
+        "Tensor v, Tensor a, Tensor b, Tensor(s!) initial_state_source, Tensor initial_state_indices, "
+        "Tensor cu_seqlens, bool use_qk_l2norm_in_kernel, float softplus_beta=1.0, "
+        "float softplus_threshold=20.0) -> Tensor"
+    )
+    _OPS.impl(
+        "fused_sigmoid_gating_delta_rule_update_cpu", mamba.fused_sigmoid_gating_delta_rule_update_cpu, "CPU"
+    )
+
+
+_register_ops()
 
 
 def _missing(name: str) -> Callable[..., Any]:
