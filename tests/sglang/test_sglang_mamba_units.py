@@ -182,7 +182,7 @@ def test_slots_under_a_limit_fail_cleanly_and_report_what_can_be_backed(
 ) -> None:
     """``ELASTIC_KV_LIMIT`` does not apply to the state pool (SGLang cannot act on it); a limit set on it
     later (``kvctl``) bounds what is backed: allocation beyond it fails with nothing taken."""
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
 
     env.setenv("ELASTIC_KV_LIMIT", str(1 << 20))
