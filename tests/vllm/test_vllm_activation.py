@@ -194,14 +194,31 @@ def test_unsupported_features_are_named(monkeypatch: pytest.MonkeyPatch) -> None
         assert phrase in reasons
 
 
-def test_ngram_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Draft tokens need lookahead slots the admission bound counts, and EAGLE/MTP draft layers own KV
-    groups of their own: until an engine test proves them, speculative decoding is refused by name."""
-    with pytest.raises(ConfigError, match=r"speculative decoding \(--speculative-config\)"):
+def test_ngram_speculative_decoding_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """N-gram drafts own no KV; their lookahead slots are the target's (test_vllm_family_ngram.py)."""
+    cfg = _config(
+        monkeypatch,
+        additional_config={"kv_cache_backend": "elastic"},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+    )
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+
+
+def test_draft_model_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model's layers own KV cache in the target's groups: refused by name until an engine test
+    proves it, before anything starts."""
+    with pytest.raises(
+        ConfigError,
+        match=r"speculative decoding other than ngram \(--speculative-config method 'draft_model'\)",
+    ):
         _config(
             monkeypatch,
             additional_config={"kv_cache_backend": "elastic"},
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            speculative_config={
+                "method": "draft_model",
+                "model": str(tiny_model()),
+                "num_speculative_tokens": 2,
+            },
         )
 
 

@@ -67,7 +67,9 @@ class Family:
     ``limit_pages``: a pool limit under which the prompts force preemptions while the largest one fits;
     ``sequential``: the family's kernels are batch-variant on the CPU, so tokens are compared one sequence
     per ``generate`` call (under the limit the prompts still run batched, and only their lengths are
-    checked).
+    checked); ``limit_load``: ``(requests, prompt tokens, new tokens)`` of the load run under the limit
+    instead of the prompts (only lengths checked), for families whose prompts never cross a block boundary
+    while decoding, so that running requests need new blocks under the limit.
     """
 
     name: str
@@ -82,6 +84,7 @@ class Family:
     num_prompts: int = 12
     limit_pages: int = 0
     sequential: bool = False
+    limit_load: tuple[int, int, int] | None = None
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         spec = ARCH_MODELS[self.model]
@@ -173,6 +176,24 @@ FAMILIES: dict[str, Family] = {
             limit_pages=10,
             sequential=True,
         ),
+        Family(
+            "ngram",
+            "Speculative decoding: n-gram (prompt lookup) drafts",
+            "any served model",
+            "llama",
+            groups="1 x FullAttentionSpec (2 layers)",
+            block_bytes=2 * 128 * 64 * 2 * 4,  # 128 tokens x one 64-wide KV head x (K, V) x fp32, 2 layers
+            engine={
+                "enable_prefix_caching": True,
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 4,
+                },
+            },
+            limit_pages=14,
+        ),
     )
 }
 
@@ -189,6 +210,15 @@ def generate_runs(llm: Any, family: Family) -> dict[str, list[list[int]]]:
         split += generate(llm, token_prompts[start : start + SPLIT], offset=start)
     runs["split"] = split
     return runs
+
+
+def generate_fixed(llm: Any, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens for ``token_prompts``, ``new_tokens`` each, ignoring EOS, in one batch."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def generate_one_by_one(llm: Any, token_prompts: list[list[int]]) -> list[list[int]]:
@@ -400,12 +430,19 @@ class FamilyChecks:
         try:
             assert family_llm.reset_prefix_cache()  # recompute everything under the limit
             before = preemptions(family_llm)
-            with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
-                tokens = generate(family_llm, self.family.prompts())
-            if self.family.sequential:  # batched here: only the lengths are the kernels' own
-                assert [len(t) for t in tokens] == [len(t) for t in family_native["batched"]]
+            if self.family.limit_load:
+                count, length, new = self.family.limit_load
+                load = [[(i * 131 + j * 7) % 997 + 3 for j in range(length)] for i in range(count)]
+                with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
+                    tokens = generate_fixed(family_llm, load, new)
+                assert [len(t) for t in tokens] == [new] * count
             else:
-                assert tokens == family_native["batched"]
+                with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
+                    tokens = generate(family_llm, self.family.prompts())
+                if self.family.sequential:  # batched here: only the lengths are the kernels' own
+                    assert [len(t) for t in tokens] == [len(t) for t in family_native["batched"]]
+                else:
+                    assert tokens == family_native["batched"]
             assert preemptions(family_llm) > before, "the limit did not force a preemption"
             assert max(mapped) <= limit
         finally:

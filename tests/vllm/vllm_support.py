@@ -48,7 +48,11 @@ REFUSED: tuple[Refused, ...] = (
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),
-    Refused("Speculative decoding", "ngram, EAGLE, MTP", "speculative decoding (--speculative-config)"),
+    Refused(
+        "Speculative decoding with draft models, layers or heads",
+        "EAGLE, MTP, draft_model, Medusa",
+        "speculative decoding other than ngram",
+    ),
 )
 
 
