@@ -69,7 +69,8 @@ class Family:
     per ``generate`` call (under the limit the prompts still run batched, and only their lengths are
     checked); ``limit_load``: ``(requests, prompt tokens, new tokens)`` of the load run under the limit
     instead of the prompts (only lengths checked), for families whose prompts never cross a block boundary
-    while decoding, so that running requests need new blocks under the limit.
+    while decoding, so that running requests need new blocks under the limit; ``draft_model``: the
+    ``ARCH_MODELS`` key of a draft model that proposes two tokens a step (speculative decoding).
     """
 
     name: str
@@ -85,11 +86,18 @@ class Family:
     limit_pages: int = 0
     sequential: bool = False
     limit_load: tuple[int, int, int] | None = None
+    draft_model: str = ""
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         spec = ARCH_MODELS[self.model]
-        chosen = {"model": str(arch_model(spec)), "dtype": spec.dtype, **self.engine, **overrides}
-        return engine_kwargs(**chosen)
+        chosen: dict[str, Any] = {"model": str(arch_model(spec)), "dtype": spec.dtype, **self.engine}
+        if self.draft_model:
+            chosen["speculative_config"] = {
+                "method": "draft_model",
+                "model": str(arch_model(self.draft_model)),
+                "num_speculative_tokens": 2,
+            }
+        return engine_kwargs(**{**chosen, **overrides})
 
     def prompts(self) -> list[list[int]]:
         return prompts()[: self.num_prompts]
@@ -175,6 +183,24 @@ FAMILIES: dict[str, Family] = {
             num_prompts=8,
             limit_pages=10,
             sequential=True,
+        ),
+        Family(
+            "gdn",
+            "Gated DeltaNet state beside full attention, MoE",
+            "Qwen3-Next, Qwen3.5",
+            "qwen3next",
+            groups="3 x MambaSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            # vLLM grows the attention block to 384 tokens so that it holds a GDN state (padded to it):
+            # 384 tokens x one 64-wide KV head x (K, V) x bf16.
+            block_bytes=96 << 10,
+            # With prefix caching vLLM checkpoints GDN states (mamba_cache_mode='align'), which is refused.
+            engine={"enable_prefix_caching": False},
+            num_prompts=8,
+            limit_pages=8,
+            sequential=True,
+            # No prompt crosses a 384-token block boundary while decoding; 360 + 420 tokens cross two, so
+            # the requests admitted under the limit need more blocks than it leaves them.
+            limit_load=(8, 360, 420),
         ),
         Family(
             "ngram",
@@ -328,6 +354,24 @@ def _kvctl_list(registry_dir: Path) -> dict[str, Any]:
 
 def preemptions(llm: Any) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
+
+
+def _counter(llm: Any, name: str) -> int:
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
+
+
+class SpeculativeChecks:
+    """What a speculative-decoding family passes besides :class:`FamilyChecks`: drafts are proposed and
+    accepted (otherwise no step verified more than one token, and the lookahead path went unproven)."""
+
+    family: Family
+
+    def test_drafts_are_proposed_and_accepted(self, family_llm: Any) -> None:
+        drafts = _counter(family_llm, "vllm:spec_decode_num_draft_tokens")
+        accepted = _counter(family_llm, "vllm:spec_decode_num_accepted_tokens")
+        generate(family_llm, self.family.prompts())
+        assert _counter(family_llm, "vllm:spec_decode_num_draft_tokens") > drafts, "no draft was proposed"
+        assert _counter(family_llm, "vllm:spec_decode_num_accepted_tokens") > accepted, "no draft accepted"
 
 
 class FamilyChecks:
