@@ -68,8 +68,8 @@ class Family:
     ``sequential``: the family's kernels are batch-variant on the CPU, so tokens are compared one sequence
     per ``generate`` call (under the limit the prompts still run batched, and only their lengths are
     checked); ``limit_load``: ``(requests, prompt tokens, new tokens)`` of the load run under the limit
-    instead of the prompts (only lengths checked), for families whose prompts never cross a block boundary
-    while decoding, so that running requests need new blocks under the limit; ``draft_model``: the
+    instead of the prompts (only lengths checked), for families whose prompts take no new block while
+    decoding, so that running requests need new blocks under the limit; ``draft_model``: the
     ``ARCH_MODELS`` key of a draft model that proposes two tokens a step (speculative decoding).
     """
 
@@ -219,6 +219,23 @@ FAMILIES: dict[str, Family] = {
                 },
             },
             limit_pages=14,
+        ),
+        Family(
+            "draft_model",
+            "Speculative decoding: a draft model",
+            "any served model with a smaller draft",
+            "llama",
+            # The draft's two layers join the target's group: their blocks are the same block ids.
+            groups="1 x FullAttentionSpec (4 layers)",
+            block_bytes=4 * 128 * 64 * 2 * 4,  # 128 tokens x one 64-wide KV head x (K, V) x fp32, 4 layers
+            engine={"enable_prefix_caching": True},
+            limit_pages=10,
+            # The prompts' admission already takes the blocks their drafts reach: a load whose requests
+            # grow from 3 blocks to 7 while decoding needs more than the limit leaves them.
+            limit_load=(8, 360, 420),
+            # The target as its own draft: every draft is accepted, so each step writes three tokens' KV
+            # in both models' layers.
+            draft_model="llama",
         ),
     )
 }

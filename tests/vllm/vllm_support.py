@@ -49,9 +49,9 @@ REFUSED: tuple[Refused, ...] = (
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),
     Refused(
-        "Speculative decoding with draft models, layers or heads",
-        "EAGLE, MTP, draft_model, Medusa",
-        "speculative decoding other than ngram",
+        "Speculative decoding with EAGLE / MTP layers or Medusa heads",
+        "EAGLE, EAGLE-3, MTP, Medusa",
+        "speculative decoding other than ngram or a draft model",
     ),
 )
 

@@ -6,7 +6,7 @@ config untouched; with the elastic backend it
 
 1. refuses what the plugin does not support (an unsupported vLLM version, a custom scheduler or worker
    class, pipeline or data parallelism, a multi-host executor, KV connectors / offloading, speculative
-   decoding other than n-gram drafts, encoder-decoder models) with one
+   decoding other than n-gram drafts or a draft model, encoder-decoder models) with one
    :class:`~elastic_kv.errors.ConfigError` naming each;
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
@@ -47,11 +47,11 @@ SCHEDULERS = {
     False: "vllm_elastic_kv.scheduler.ElasticScheduler",
     True: "vllm_elastic_kv.scheduler.ElasticAsyncScheduler",
 }
-# Speculative decoding methods served: n-gram drafts come from the tokens themselves (no draft model, no KV
-# of their own); the verified lookahead tokens take slots of the target's groups, which the admission bound
-# counts (kv_cache_manager). Draft models, EAGLE / MTP layers and Medusa heads are refused until an engine
-# test proves them.
-SPECULATIVE_METHODS = ("ngram",)
+# Speculative decoding methods served. N-gram drafts come from the tokens themselves (no KV of their own);
+# a draft model's attention layers join the target's KV cache groups, so its KV lies in the same blocks.
+# Either way the verified lookahead tokens take slots the admission bound counts (kv_cache_manager). EAGLE
+# / MTP layers and Medusa heads are refused until an engine test proves them.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Executors whose workers all live on this host (the ranks protocol reaches them over local sockets).
 _LOCAL_EXECUTORS = (None, "mp", "uni")
 
@@ -85,7 +85,8 @@ def unsupported(vllm_config: Any) -> list[str]:
     speculative = getattr(vllm_config, "speculative_config", None)
     if speculative is not None and speculative.method not in SPECULATIVE_METHODS:
         reasons.append(
-            f"speculative decoding other than ngram (--speculative-config method {speculative.method!r})"
+            "speculative decoding other than ngram or a draft model "
+            f"(--speculative-config method {speculative.method!r})"
         )
     if getattr(model, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (cross-attention KV cache)")
