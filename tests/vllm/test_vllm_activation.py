@@ -196,14 +196,30 @@ def test_unsupported_features_are_named(monkeypatch: pytest.MonkeyPatch) -> None
     assert "pipeline" not in reasons
 
 
-def test_ngram_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Draft tokens need lookahead slots the admission bound counts, and EAGLE/MTP draft layers own KV
-    groups of their own: until an engine test proves them, speculative decoding is refused by name."""
-    with pytest.raises(ConfigError, match=r"speculative decoding \(--speculative-config\)"):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_ngram_and_draft_model_speculative_decoding_are_served(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """N-gram drafts own no KV; a draft model's layers join the target's groups (engine proofs:
+    test_vllm_family_ngram.py, test_vllm_family_draft_model.py)."""
+    speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 2}
+    speculative.update({"prompt_lookup_max": 3} if method == "ngram" else {"model": str(tiny_model())})
+    cfg = _config(
+        monkeypatch, additional_config={"kv_cache_backend": "elastic"}, speculative_config=speculative
+    )
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+
+
+def test_eagle_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAGLE / MTP draft layers are not proven on an engine: refused by name before anything starts."""
+    with pytest.raises(
+        ConfigError,
+        match=r"other than ngram or a draft model \(--speculative-config method 'eagle'\)",
+    ):
         _config(
             monkeypatch,
             additional_config={"kv_cache_backend": "elastic"},
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            speculative_config={"method": "eagle", "model": str(tiny_model()), "num_speculative_tokens": 2},
         )
 
 

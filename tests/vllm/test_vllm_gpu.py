@@ -17,12 +17,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "gpu_vllm.py"
 
 
-def test_gpu_proof_passes(tmp_path: Path) -> None:
+# Plain full attention, then the families with groups of their own (ci/gpu_vllm.py FAMILY_MODELS: sliding
+# window + sinks, MLA, GDN state) and n-gram speculative decoding.
+RUNS = {
+    "tiny": ["--model", "tiny"],
+    "gptoss": ["--model", "gptoss"],
+    "mla": ["--model", "mla"],
+    "gdn": ["--model", "gdn"],
+    "ngram": ["--model", "tiny", "--speculative", "ngram"],
+}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_gpu_proof_passes(tmp_path: Path, run: str) -> None:
     pytest.importorskip("vllm")
     done = subprocess.run(
         [
             sys.executable,
             str(SCRIPT),
+            *RUNS[run],
             "--requests",
             "64",
             "--output",

