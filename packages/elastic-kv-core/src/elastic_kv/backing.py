@@ -95,6 +95,7 @@ class PageBacking(PageBook):
                 "pool %s: unmap of pages %s failed, keeping them backed: %s", self._name, pages, exc
             )
             for p in pages:
+                self._cancel_drain(p)
                 self._page_state[p] = RESERVE
             self._reserve.extend(pages)
             return

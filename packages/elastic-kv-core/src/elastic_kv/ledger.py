@@ -11,6 +11,15 @@ Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNM
     USED --last block freed--> RESERVE (room under the cap)   | PENDING (defer_release) | UNMAPPED
     PENDING --release_through(epoch)--> RESERVE | UNMAPPED;   PENDING --alloc--> USED (reuse is safe:
     only *unmapping* must wait for the GPU, reusing a backed page never does)
+    USED (draining) --last block freed--> WITHHELD --release_through(epoch)--> UNMAPPED
+
+Limits: when the limit drops below what the pool holds, the reserve is unmapped at once and the ledger
+chooses pages in use to *drain* (:meth:`KVCacheManager.draining_pages`): enough of them, fewest live
+blocks first, that releasing them gets the pool under the limit. A draining page issues no block
+again, so the blocks freed on it -- by requests finishing, or by the engine preempting the requests
+that hold them (vLLM) or retracting them -- are not handed to other requests, and the page is unmapped
+once empty. The pool is ``SHRINKING`` until its charge fits; the first snapshot published after that
+says so, and a limit lifted or raised above the charge ends the drain at once.
 
 Allocation is page-affine so that few pages stay backed: a request is served first from pages that are
 already backed and partly used (the smallest one that holds the whole run, else the one with the most
@@ -52,7 +61,7 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import PoolExhausted
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.mapper import PageMapper
-from elastic_kv.pagebook import PENDING, RESERVE, USED
+from elastic_kv.pagebook import PENDING, RESERVE, USED, WITHHELD
 from elastic_kv.physical import PhysicalAccount
 from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot, PoolState
@@ -114,6 +123,12 @@ class KVCacheManager(PageBacking):
         self._misses = 0
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
         self._light = False  # the last maintain() was for a light step
+        self._preemptions = 0  # requests the engine preempted (note_preempted)
+        self._shown_over = False  # the last snapshot published said "shrinking"
+        # The engine's order of preference among pages to drain: called (on the owner thread) with the
+        # candidate pages, fewest live blocks first, it returns them best first; pages it leaves out or
+        # invents are ignored (see _plan_drain). None: the candidates' own order.
+        self.drain_order: Callable[[list[int]], list[int]] | None = None
 
         self._null = null_block
         if null_block is not None:
@@ -160,8 +175,19 @@ class KVCacheManager(PageBacking):
 
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it below what is backed):
-        it is shrinking, and memory comes back only as blocks are freed."""
+        it is shrinking. Its draining pages (:meth:`draining_pages`) issue no block, and memory comes back
+        as the blocks on them are freed."""
         return self._phys.over_limit()
+
+    @property
+    def preemptions(self) -> int:
+        """Requests the engine preempted since the pool started (:meth:`note_preempted`)."""
+        return self._preemptions
+
+    def note_preempted(self, requests: int = 1) -> None:
+        """The engine preempted ``requests`` requests (their blocks freed, to be recomputed): counted in
+        the snapshot, where ``kvctl limit --wait`` reads what applying a limit cost. Any thread."""
+        self._preemptions += requests
 
     @property
     def free_backed_blocks(self) -> int:
@@ -330,14 +356,32 @@ class KVCacheManager(PageBacking):
         raise AssertionError("no bad id")  # pragma: no cover
 
     def _retire(self, pages: list[int]) -> None:
-        """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap."""
+        """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap; a draining page is
+        never kept or reused, only unmapped (after its epoch with ``defer_release``)."""
+        if self._drain_count:
+            drain = self._draining
+            drained = [p for p in pages if drain[p]]
+            if drained:
+                pages = [p for p in pages if not drain[p]]
+                self._retire_drained(drained)
         if self._cfg.defer_release:
             for p in pages:
                 self._page_state[p] = PENDING
                 self._pending_epoch[p] = self._epoch
                 self._pending.append((self._epoch, p))
+        else:
+            self._release_empty(pages)
+        if self._drain_count or self._shown_over:
+            self._follow_limit()  # the drain ends, and readers learn it, once within the limit
+
+    def _retire_drained(self, pages: list[int]) -> None:
+        if not self._cfg.defer_release:
+            self._unmap_now(pages)
             return
-        self._release_empty(pages)
+        for p in pages:
+            self._page_state[p] = WITHHELD
+            self._withheld_epoch[p] = self._epoch
+            self._pending.append((self._epoch, p))
 
     def _release_empty(self, pages: list[int]) -> None:
         """Empty backed pages that may be unmapped now: to the reserve while it is under its cap and the
@@ -370,14 +414,21 @@ class KVCacheManager(PageBacking):
         if get_ident() != self._owner:
             self._refuse()
         ready: list[int] = []
+        drained: list[int] = []
         while self._pending and self._pending[0][0] <= epoch:
             e, p = self._pending.popleft()
             if self._pending_epoch.get(p) == e:  # else: reused since, or emptied again later
                 del self._pending_epoch[p]
                 ready.append(p)
+            elif self._withheld_epoch.get(p) == e:
+                drained.append(p)
+        if drained:
+            self._unmap_now(drained)
         if ready:
             self._release_empty(ready)
-        return len(ready)
+        if drained or (ready and (self._drain_count or self._shown_over)):
+            self._follow_limit()
+        return len(ready) + len(drained)
 
     # -- background pre-mapping -------------------------------------------------------------------------
 
@@ -406,6 +457,7 @@ class KVCacheManager(PageBacking):
                 self._trim_reserve(0)
                 trimmed = True  # returned now: not refilled by this call (the next steps' demand may)
         self._phys.refresh(force=events is not None and events.limit_changed)
+        self._follow_limit(publish=False)
         over = self._phys.over_limit()
         if not over:
             self._policy.end_interval(light)
@@ -421,10 +473,11 @@ class KVCacheManager(PageBacking):
                 self._refill_async(target - len(self._reserve) - self._inflight_pages)
             else:
                 self._refill_sync(target - len(self._reserve))
-        if events is not None and (events.trim_requested or events.limit_changed):
-            self._phys.publish_now(self._snapshot())  # kvctl waits for the pool's answer
+        answer = events is not None and (events.trim_requested or events.limit_changed)
+        if answer or over != self._shown_over:
+            self._phys.publish_now(self._published())  # kvctl waits for the pool's answer
         else:
-            self._phys.publish(self._snapshot)
+            self._phys.publish(self._published)
 
     def _reserve_goal(self) -> int:
         """Pages the reserve aims at: the policy's target, or its light target after a light step."""
@@ -509,6 +562,48 @@ class KVCacheManager(PageBacking):
             self._trim_reserve(0)
             phys = self._phys
             logger.info("pool %s shrinking: %d bytes backed, limit %d", self._name, phys.charged, phys.limit)
+        self._follow_limit(publish=False)
+
+    def _follow_limit(self, publish: bool = True) -> None:
+        """Keep the drain matched to the limit: over it, enough pages draining to get under it
+        (:meth:`_plan_drain`); under it (pages were released, or the limit was lifted or raised), none --
+        and with ``publish``, readers learn at once that the pool stopped shrinking."""
+        if self._phys.over_limit():
+            self._plan_drain()
+        else:
+            if self._drain_count:
+                for p in self.mapped_pages():
+                    self._unwithhold(p)
+            if publish and self._shown_over and self._phys.shares:
+                self._phys.publish_now(self._published())
+
+    def _plan_drain(self) -> None:
+        """Choose pages to release until what the pool is returning covers its excess over the limit:
+        empty backed pages and pages in flight go anyway (they are unmapped while the pool is over its
+        limit); beyond those, pages in use in the engine's order (:attr:`drain_order`: an engine that knows
+        which request holds which block orders them so that the fewest requests must be preempted), else
+        those with the fewest live blocks, most recently mapped first among equals. A chosen page issues
+        no block from now on and is unmapped once its last block is freed. The null block's page is never
+        chosen. Counts whole pages (``page_bytes``): where pages share slots, or an empty page counted as
+        leaving is reused instead, the next call tops the drain up."""
+        phys, page_bytes = self._phys, self._geo.page_bytes
+        excess = phys.charged - phys.limit
+        leaving = len(self._reserve) + len(self._pending_epoch) + self._inflight_pages + self._drain_count
+        short = excess - leaving * page_bytes
+        if short <= 0 or not page_bytes:
+            return
+        st, drain = self._page_state, self._draining
+        null_page = -1 if self._null is None else self._null // self._bpp
+        candidates = [p for p in range(self._npages) if st[p] == USED and not drain[p] and p != null_page]
+        candidates.sort(key=lambda p: (self.live_blocks_on(p), -p))
+        if self.drain_order is not None:
+            allowed = set(candidates)
+            preferred = list(dict.fromkeys(p for p in self.drain_order(candidates) if p in allowed))
+            taken = set(preferred)
+            candidates = preferred + [p for p in candidates if p not in taken]
+        for p in candidates[: -(-short // page_bytes)]:
+            self._withhold(p)
+        logger.info("pool %s over its limit: %d page(s) draining", self._name, self._drain_count)
 
     def trim(self, keep: int = 0) -> int:
         """Unmap reserve pages now, all but the ``keep`` most recently added; returns how many were
@@ -565,7 +660,13 @@ class KVCacheManager(PageBacking):
         """Publish the pool's statistics to its records now (``kvctl``), outside :meth:`maintain`'s
         schedule; nothing without a record. Any thread, like :meth:`snapshot`."""
         if self._phys.shares:
-            self._phys.publish_now(self._snapshot())
+            self._phys.publish_now(self._published())
+
+    def _published(self) -> PoolSnapshot:
+        """A snapshot about to be published; remembers whether it says "shrinking"."""
+        snap = self._snapshot()
+        self._shown_over = snap.state is PoolState.SHRINKING
+        return snap
 
     def _snapshot(self) -> PoolSnapshot:
         if self._closed:
@@ -599,4 +700,6 @@ class KVCacheManager(PageBacking):
             reserve_misses=self._misses,
             epoch=self._epoch,
             timestamp=time.time(),
+            preemptions=self._preemptions,
+            draining_pages=self._drain_count,
         )

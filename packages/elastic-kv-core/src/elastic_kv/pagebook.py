@@ -11,7 +11,11 @@ step of a random walk:
 * a page in use with ``k`` free blocks (0 < k) is in ``_buckets[k]`` and bit ``k`` of ``_mask`` is set,
   and a page is in no bucket otherwise; ``_page_bucket[p]`` says which;
 * every page is in exactly one of: in use (``USED``), ``_reserve`` (backed, empty),
-  ``_pending_epoch`` (backed, empty, waiting for its epoch), ``_unmapped`` (a stack), in flight.
+  ``_pending_epoch`` (backed, empty, waiting for its epoch), ``_withheld_epoch`` (``WITHHELD``: backed,
+  empty, draining, waiting for its epoch to be unmapped), ``_unmapped`` (a stack), in flight;
+* a **draining** page (``_draining[p]``, a ``USED`` or ``WITHHELD`` page the ledger is releasing to get
+  under a lowered limit) issues no block: it is in no bucket, and its free blocks are counted in
+  ``_withheld_free`` instead of ``_free_backed``, so no allocation path can see them.
 
 Data structures (chosen for the per-block cost on the engine's scheduling thread):
 
@@ -28,14 +32,15 @@ Data structures (chosen for the per-block cost on the engine's scheduling thread
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from elastic_kv.geometry import BlockGeometry
 
 __all__ = ["PageBook"]
 
 # Page states (one byte per page in _page_state), shared with elastic_kv.ledger.
-UNMAPPED, USED, RESERVE, PENDING, INFLIGHT = 0, 1, 2, 3, 4
-_STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight")
+UNMAPPED, USED, RESERVE, PENDING, INFLIGHT, WITHHELD = 0, 1, 2, 3, 4, 5
+_STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight", "withheld")
 
 
 class PageBook:
@@ -57,13 +62,18 @@ class PageBook:
         self._pending_epoch: dict[int, int] = {}  # PENDING page -> epoch it emptied in
         self._unmapped = list(range(npages - 1, -1, -1))  # a stack: lowest page ids are mapped first
         self._inflight: dict[int, list[int]] = {}  # map_async job id -> its pages
+        self._draining = bytearray(npages)  # 1: the page is being released; none of its blocks is issued
+        self._drain_count = 0  # pages flagged in _draining
+        self._withheld_epoch: dict[int, int] = {}  # WITHHELD page -> epoch it emptied in
 
-        self._free_backed = 0  # free blocks on USED/RESERVE/PENDING pages
+        self._free_backed = 0  # free blocks on USED/RESERVE/PENDING pages that are not draining
+        self._withheld_free = 0  # free blocks on draining pages: never issued
         self._unmapped_blocks = nb
         self._inflight_pages = 0
 
     def page_state(self, page: int) -> str:
-        """``"unmapped" | "used" | "reserve" | "pending" | "inflight"`` (for tests and diagnostics)."""
+        """``"unmapped" | "used" | "reserve" | "pending" | "inflight" | "withheld"`` (for tests and
+        diagnostics)."""
         return _STATE_NAMES[self._page_state[page]]
 
     def is_live(self, block: int) -> bool:
@@ -77,9 +87,33 @@ class PageBook:
         return self._cap(page) - len(self._page_free[page])
 
     def mapped_pages(self) -> list[int]:
-        """Pages the ledger holds backed (used, reserve, pending), ascending."""
+        """Pages the ledger holds backed (used, reserve, pending, withheld), ascending."""
         st = self._page_state
-        return [p for p in range(self._npages) if st[p] in (USED, RESERVE, PENDING)]
+        return [p for p in range(self._npages) if st[p] in (USED, RESERVE, PENDING, WITHHELD)]
+
+    @property
+    def draining(self) -> bool:
+        """Whether any page is draining (O(1): engines check it every step)."""
+        return self._drain_count > 0
+
+    def is_draining(self, page: int) -> bool:
+        """Whether ``page`` is being released to meet a lowered limit (no block on it is issued)."""
+        return bool(self._draining[page])
+
+    def draining_pages(self) -> list[int]:
+        """Draining pages that still hold live blocks, ascending: the engine must free those blocks
+        (preempt the requests holding them, evict cached ones) for the pages to be released."""
+        if not self._drain_count:
+            return []
+        st, drain = self._page_state, self._draining
+        return [p for p in range(self._npages) if drain[p] and st[p] == USED]
+
+    def holds_draining(self, blocks: Iterable[int]) -> bool:
+        """Whether any of ``blocks`` (issued ids) lies on a draining page."""
+        if not self._drain_count:
+            return False
+        drain, bpp = self._draining, self._bpp
+        return any(drain[b // bpp] for b in blocks)
 
     def _take_blocks(self, n: int) -> tuple[list[int], int]:
         """Take ``n <= _free_backed`` free blocks, now live: partly used pages by best fit (the smallest
@@ -141,7 +175,10 @@ class PageBook:
             page_free[b // bpp].append(b)
         n = len(blocks)
         self._free_backed += n
-        pages = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
+        pages: Iterable[int] = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
+        drained: list[int] | None = None
+        if self._drain_count:
+            pages, drained = self._return_to_draining(blocks, pages)
         buckets, page_bucket, mask = self._buckets, self._page_bucket, self._mask
         last, emptied = self._npages - 1, []
         for p in pages:
@@ -160,7 +197,58 @@ class PageBook:
                 buckets[free][p] = None
                 mask |= 1 << free
         self._mask = mask
-        return emptied
+        return emptied + drained if drained else emptied
+
+    def _return_to_draining(self, blocks: list[int], pages: Iterable[int]) -> tuple[list[int], list[int]]:
+        """``_return_blocks`` while pages drain: blocks freed on draining pages are withheld, not counted
+        free, and their pages stay out of the buckets. Returns the other pages (for the usual filing) and
+        the draining pages that emptied."""
+        drain, bpp = self._draining, self._bpp
+        held = sum(1 for b in blocks if drain[b // bpp])
+        self._free_backed -= held
+        self._withheld_free += held
+        rest: list[int] = []
+        drained: list[int] = []
+        for p in pages:
+            if not drain[p]:
+                rest.append(p)
+            elif len(self._page_free[p]) == self._cap(p):
+                drained.append(p)
+        return rest, drained
+
+    def _withhold(self, page: int) -> None:
+        """Start draining a ``USED`` page: its free blocks are withheld and it leaves the buckets."""
+        self._unbucket(page)
+        n = len(self._page_free[page])
+        self._free_backed -= n
+        self._withheld_free += n
+        self._draining[page] = 1
+        self._drain_count += 1
+
+    def _unwithhold(self, page: int) -> None:
+        """Stop draining ``page`` (the pool got under its limit another way, or the limit was lifted): its
+        free blocks can be issued again; a ``WITHHELD`` page becomes an ordinary pending one (same epoch,
+        so its queue entry stays valid)."""
+        if not self._draining[page]:
+            return
+        self._draining[page] = 0
+        self._drain_count -= 1
+        n = len(self._page_free[page])
+        self._withheld_free -= n
+        self._free_backed += n
+        epoch = self._withheld_epoch.pop(page, None)
+        if epoch is not None:
+            self._page_state[page] = PENDING
+            self._pending_epoch[page] = epoch
+        elif self._page_state[page] == USED and n:
+            self._rebucket(page)
+
+    def _cancel_drain(self, page: int) -> None:
+        """``page`` leaves the drain because it is being unmapped (or kept backed after an unmap failed):
+        its blocks count as free again, its state is the caller's to set."""
+        if self._draining[page]:
+            self._withheld_epoch.pop(page, None)
+            self._unwithhold(page)
 
     def _cap(self, page: int) -> int:
         return self._last_cap if page == self._npages - 1 else self._bpp
@@ -172,7 +260,7 @@ class PageBook:
         """Live blocks, the null block included: every block not free on a backed, in-flight or unmapped
         page (derived, so that alloc and free update one counter, not two)."""
         inflight = sum(len(self._geo.blocks_of(p)) for pages in self._inflight.values() for p in pages)
-        return self._nb - self._free_backed - self._unmapped_blocks - inflight
+        return self._nb - self._free_backed - self._withheld_free - self._unmapped_blocks - inflight
 
     def _pop_unmapped(self) -> int:
         page = self._unmapped.pop()
@@ -216,6 +304,7 @@ class PageBook:
     def _unback(self, pages: list[int]) -> None:
         """Pages the data plane just released: their blocks leave the free count, the pages the buckets."""
         for p in pages:
+            self._cancel_drain(p)
             self._unbucket(p)
             self._free_backed -= len(self._page_free[p])
             self._page_free[p] = []
@@ -230,12 +319,16 @@ class PageBook:
         inflight = {p for pages in self._inflight.values() for p in pages}
         assert len(inflight) == self._inflight_pages, "in-flight page count"
         on_lists: set[int] = set()
+        withheld = 0
         unmapped_blocks = 0
+        drain = self._draining
         for p in range(self._npages):
             blocks = self._geo.blocks_of(p)
             st = state[p]
             assert self._cap(p) == len(blocks), f"page {p}: capacity"
             assert self.live_blocks_on(p) == sum(1 for b in blocks if live[b]), f"page {p}: live count"
+            assert not drain[p] or st in (USED, WITHHELD), f"{_STATE_NAMES[st]} page {p} is draining"
+            assert (st == WITHHELD) == (p in self._withheld_epoch), f"page {p}: withheld state"
             if st in (UNMAPPED, INFLIGHT):
                 assert not free_lists[p], f"page {p} ({_STATE_NAMES[st]}) has a free list"
                 assert not any(live[b] for b in blocks), f"live block on {_STATE_NAMES[st]} page {p}"
@@ -247,9 +340,15 @@ class PageBook:
                 f"page {p}: free list holds a live, foreign or repeated block"
             )
             assert len(free) + sum(1 for b in blocks if live[b]) == len(blocks), f"page {p}: blocks lost"
-            on_lists.update(free)
+            if drain[p]:
+                withheld += len(free)
+            else:
+                on_lists.update(free)
             empty = len(free) == len(blocks)
-            if st == USED:
+            if st == USED and drain[p]:
+                assert not empty, f"draining page {p} in use without live blocks"
+                assert self._page_bucket[p] == 0, f"draining page {p} is in a bucket"
+            elif st == USED:
                 assert not empty, f"page {p} in use without live blocks"
                 k = len(free)
                 assert self._page_bucket[p] == k and (k == 0 or p in self._buckets[k]), f"page {p}: bucket"
@@ -257,14 +356,10 @@ class PageBook:
                 assert empty, f"{_STATE_NAMES[st]} page {p} has live blocks"
                 assert self._page_bucket[p] == 0, f"{_STATE_NAMES[st]} page {p} is in a bucket"
         assert len(on_lists) == self._free_backed, "free block count"
-        assert unmapped_blocks == self._unmapped_blocks, "unmapped block count"
-        assert sorted(self._unmapped) == [p for p in range(self._npages) if state[p] == UNMAPPED], (
-            "unmapped stack"
-        )
-        assert sorted(self._reserve) == [p for p in range(self._npages) if state[p] == RESERVE], "reserve"
-        assert sorted(self._pending_epoch) == [p for p in range(self._npages) if state[p] == PENDING], (
-            "pending"
-        )
+        assert withheld == self._withheld_free, "withheld block count"
+        assert sum(drain) == self._drain_count, "draining page count"
         for k, bucket in enumerate(self._buckets):
             assert bool(bucket) == bool(self._mask >> k & 1), f"mask bit {k}"
-            assert all(state[p] == USED and len(free_lists[p]) == k for p in bucket), f"bucket {k}"
+            assert all(state[p] == USED and len(free_lists[p]) == k and not drain[p] for p in bucket), (
+                f"bucket {k}"
+            )
