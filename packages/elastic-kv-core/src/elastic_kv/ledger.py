@@ -14,8 +14,9 @@ Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNM
     USED (draining) --last block freed--> WITHHELD --release_through(epoch)--> UNMAPPED
 
 Limits: when the limit drops below what the pool holds, the reserve is unmapped at once and the ledger
-chooses pages in use to *drain* (:meth:`KVCacheManager.draining_pages`): enough of them, fewest live
-blocks first, that releasing them gets the pool under the limit. A draining page issues no block
+chooses pages in use to *drain* (:meth:`KVCacheManager.draining_pages`): enough of them that releasing
+them gets the pool under the limit, in the engine's order of preference (``drain_order``: the fewest
+requests to preempt), else fewest live blocks first. A draining page issues no block
 again, so the blocks freed on it -- by requests finishing, or by the engine preempting the requests
 that hold them (vLLM) or retracting them -- are not handed to other requests, and the page is unmapped
 once empty. The pool is ``SHRINKING`` until its charge fits; the first snapshot published after that
@@ -186,7 +187,8 @@ class KVCacheManager(PageBacking):
 
     def note_preempted(self, requests: int = 1) -> None:
         """The engine preempted ``requests`` requests (their blocks freed, to be recomputed): counted in
-        the snapshot, where ``kvctl limit --wait`` reads what applying a limit cost. Any thread."""
+        the snapshot, where ``kvctl limit --wait`` reads what applying a limit cost. Called on the
+        engine's scheduling thread, like every counter of the pool."""
         self._preemptions += requests
 
     @property
