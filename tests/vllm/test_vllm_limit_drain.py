@@ -130,6 +130,7 @@ def test_lowered_limit_is_met_within_two_steps_and_tokens_equal_native(llm: Any,
     assert rows[seen][1] > limit, "the limit was not below what the pool held when the engine saw it"
     under = next(i for i in range(seen, len(rows)) if rows[i][1] <= limit)
     assert under - seen <= MAX_STEPS, f"{under - seen} steps to get under the limit: {rows[seen : under + 1]}"
+    print(f"under the limit {under - seen} step(s) after the step that saw it; {lowered.stdout.strip()}")
     charges = [row[1] for row in rows[seen:under]]
     assert charges == sorted(charges, reverse=True), f"the pool grew while over its limit: {charges}"
     # Until the limit was lifted, every step stayed within it.
