@@ -72,6 +72,8 @@ class Seams:
     startup_guard: str
     # The scheduler's constructor: server arguments the plugin refuses are checked before any worker.
     scheduler_init: str
+    # Decode retraction: the requests retracted are counted as the pool's preemptions.
+    retract_decode: str
 
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
@@ -87,6 +89,7 @@ class Seams:
             self.resume_memory,
             self.startup_guard,
             self.scheduler_init,
+            self.retract_decode,
         )
 
 
@@ -110,6 +113,7 @@ SEAMS: tuple[Seams, ...] = (
         resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
         startup_guard=f"{_POOLS}.KVCache.__init__",
         scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
+        retract_decode="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
     ),
 )
 
@@ -128,6 +132,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
     "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
     "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": ("retract_decode", "token_to_kv_pool_allocator"),
     _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
     _CONFIGURATOR: (
         "_build_token_to_kv_pool_allocator",
