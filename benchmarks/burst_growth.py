@@ -11,12 +11,12 @@ injector), with the engine's GPU time as sleeps:
 * arrivals: ``--requests`` requests of ``--prompt`` tokens, ``--arrival-us`` apart (vLLM's ``add_request``);
 * prefill: steps of ``--step-tokens`` tokens (``--prefill-ms`` of GPU each), one ``alloc`` per request;
 * decode: ``--output`` steps (``--decode-ms`` each), a new block per request every 16 tokens, maintained
-  as light steps (``KVCacheManager.maintain(light=True)``, as the vLLM plugin does for decode steps; with
+  as light steps (``Ledger.maintain(light=True)``, as the vLLM plugin does for decode steps; with
   ``--heavy-decode`` like prefill steps);
 * idle: every block freed, the pool settled and its reserve trimmed to ``--reserve-min`` pages, as at the
   engine's idle transition, then ``--idle-ms`` without work (on the GPU, the other engine's burst).
 
-It runs the burst with and without telling the ledger about the arrivals (``KVCacheManager.expect``, which
+It runs the burst with and without telling the ledger about the arrivals (``Ledger.expect``, which
 the vLLM plugin calls from the scheduler's ``add_request``), alternating, and reports the scheduler thread's
 time inside ``alloc`` per burst -- waits for background maps and synchronous maps -- and the pages the
 driver mapped while prefill and while decode steps ran. The driver's cost is a
@@ -36,7 +36,7 @@ import time
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 from elastic_kv.ranks import CoordinatorMapper
 
@@ -48,7 +48,7 @@ BLOCKS_PER_PAGE = 128
 LAYER_BLOCK_BYTES = 4096  # host memory stands in for the GPU's: small blocks, the same page structure
 
 
-def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, LocalMapper, _vmm.Backend]:
+def _pool(args: argparse.Namespace) -> tuple[Ledger, CoordinatorMapper, LocalMapper, _vmm.Backend]:
     blocks_needed = args.requests * -(-(args.prompt + args.output) // BLOCK_TOKENS)
     pages = 2 * -(-blocks_needed // BLOCKS_PER_PAGE) + args.reserve_max
     nb = pages * BLOCKS_PER_PAGE
@@ -72,12 +72,10 @@ def _pool(args: argparse.Namespace) -> tuple[KVCacheManager, CoordinatorMapper, 
         reserve_max_pages=args.reserve_max,
         premap=True,
     )
-    return KVCacheManager(geometry, mapper, config), mapper, local, driver
+    return Ledger(geometry, mapper, config), mapper, local, driver
 
 
-def _burst(
-    ledger: KVCacheManager, driver: _vmm.Backend, args: argparse.Namespace, expect: bool
-) -> dict[str, float]:
+def _burst(ledger: Ledger, driver: _vmm.Backend, args: argparse.Namespace, expect: bool) -> dict[str, float]:
     """One burst from idle: seconds the scheduling thread spent in ``alloc``, by phase, and the pages the
     driver created in the prefill and the decode phase."""
     created = driver.calls("create")

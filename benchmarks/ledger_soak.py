@@ -11,7 +11,7 @@ out-of-memory (handle creation) and rejected frees. The background mapping threa
 
 Checked after every operation: each alloc returns exactly n ids, none live already; a refused free
 changes nothing the model can see. Checked every ``--check-every`` operations and at the end: the ledger's
-own invariants (``PageBook.check_invariants``), every live block's page mapped in the SpaceGroup, the
+own invariants (``Ledger.check_invariants``), every live block's page mapped in the SpaceGroup, the
 ledger's backed pages equal to the data plane's (pages in flight aside), and the charge equal to the data
 plane's mapped bytes. Exits 1 on the first violation.
 """
@@ -27,7 +27,7 @@ from collections import Counter
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 
 KIB = 1024
@@ -45,7 +45,7 @@ def geometry(kind: str) -> BlockGeometry:
     )
 
 
-def full_check(led: KVCacheManager, group: _vmm.SpaceGroup, live: set[int]) -> None:
+def full_check(led: Ledger, group: _vmm.SpaceGroup, live: set[int]) -> None:
     led.check_invariants()
     geo = led.geometry
     ledger_live = {b for b in range(geo.num_blocks) if led.is_live(b)} - {led.null_block}
@@ -74,7 +74,7 @@ def soak(ops: int, seed: int, kind: str, check_every: int) -> int:
         reserve_window=16,
         defer_release=True,
     )
-    led = KVCacheManager(geo, mapper, cfg)
+    led = Ledger(geo, mapper, cfg)
     allocations: list[list[int]] = []
     live: set[int] = set()
     counts: Counter[str] = Counter()

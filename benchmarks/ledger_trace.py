@@ -31,97 +31,92 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from threading import get_ident
 
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
+from elastic_kv.ledger.page_book import USED, PageBook
 from elastic_kv.mapper import LocalMapper
-from elastic_kv.pagebook import USED
 
 KIB = 1024
 TOKENS_PER_BLOCK = 16
 
 
-class _RuleLedger(KVCacheManager):
-    """A ledger whose partial-page choice is replaced (benchmark only: goes through private hooks)."""
+class _RuleBook(PageBook):
+    """A page book whose partial-page choice is replaced (benchmark only: overrides its internals)."""
 
-    def alloc(self, n: int) -> list[int] | None:
-        if n <= 0:
-            return []
-        if get_ident() != self._owner:
-            self._refuse()
-        return self._alloc_pages(n)  # no inline best-fit fast path: every choice goes through the rule
+    def take_fit(self, n: int) -> list[int] | None:
+        return None  # no best-fit fast path: every choice goes through the rule in take_blocks
 
 
-class BestFullest(_RuleLedger):
+class BestFullest(_RuleBook):
     @staticmethod
     def _pick_bucket(mask: int, left: int) -> int:
         fit = mask >> left
         return left + ((fit & -fit).bit_length() - 1) if fit else (mask & -mask).bit_length() - 1
 
 
-class Fullest(_RuleLedger):
+class Fullest(_RuleBook):
     @staticmethod
     def _pick_bucket(mask: int, left: int) -> int:
         return (mask & -mask).bit_length() - 1
 
 
-class LowestId(_RuleLedger):
-    def _take_blocks(self, n: int) -> tuple[list[int], int]:
+class LowestId(_RuleBook):
+    def take_blocks(self, n: int) -> tuple[list[int], int]:
         # O(pages) scan per page taken: fine for a benchmark, not for the engine's hot path.
         out: list[int] = []
         left = n
-        while left and self._mask:
-            page = min(p for bucket in self._buckets if bucket for p in bucket)
-            k = self._page_bucket[page]
-            self._unbucket(page)
+        while left and self.mask:
+            page = min(p for bucket in self.buckets if bucket for p in bucket)
+            k = self.page_bucket[page]
+            self.unbucket(page)
             take = min(k, left)
-            free = self._page_free[page]
+            free = self.page_free[page]
             out += free[-take:]
             del free[-take:]
             left -= take
             if free:
-                self._rebucket(page)
+                self.rebucket(page)
             for b in out[-take:]:
-                self._live[b] = 1
-            self._free_backed -= take
+                self.live[b] = 1
+            self.free_backed -= take
         if left:
-            rest, acquired = super()._take_blocks(left)
+            rest, acquired = super().take_blocks(left)
             return out + rest, acquired
         return out, 0
 
 
-class ReserveFirst(_RuleLedger):
-    def _take_blocks(self, n: int) -> tuple[list[int], int]:
+class ReserveFirst(_RuleBook):
+    def take_blocks(self, n: int) -> tuple[list[int], int]:
         out: list[int] = []
         acquired = 0
-        while n - len(out) >= 1 and (self._reserve or self._pending_epoch):
-            if self._pending_epoch:
-                page, _ = self._pending_epoch.popitem()
+        while n - len(out) >= 1 and (self.reserve or self.pending_epoch):
+            if self.pending_epoch:
+                page, _ = self.pending_epoch.popitem()
             else:
-                page = self._reserve.pop()
-            self._page_state[page] = USED
+                page = self.reserve.pop()
+            self.state[page] = USED
             acquired += 1
-            free = self._page_free[page]
+            free = self.page_free[page]
             take = min(n - len(out), len(free))
             got = free[-take:]
             del free[-take:]
             for b in got:
-                self._live[b] = 1
+                self.live[b] = 1
             out += got
-            self._free_backed -= take
+            self.free_backed -= take
             if free:
-                self._rebucket(page)
+                self.rebucket(page)
         if len(out) < n:
-            rest, more = super()._take_blocks(n - len(out))
+            rest, more = super().take_blocks(n - len(out))
             return out + rest, acquired + more
         return out, acquired
 
 
-RULES: dict[str, type[KVCacheManager]] = {
-    "seed": KVCacheManager,
+RULES: dict[str, type[PageBook]] = {
+    "seed": PageBook,
     "best-fullest": BestFullest,
     "fullest": Fullest,
     "lowest-id": LowestId,
@@ -180,7 +175,7 @@ def run(rule: str, trace: list[list[tuple[int, int]]], num_blocks: int) -> Resul
     backend = _vmm.HostBackend(granularity=64 * KIB)
     mapper = LocalMapper.for_geometry(backend, geo)
     cfg = ElasticConfig(page_size=64 * KIB, reserve_min_pages=2, reserve_max_pages=8)
-    led = RULES[rule](geo, mapper, cfg)
+    led = Ledger(geo, mapper, cfg, book_type=RULES[rule])
     bpp = geo.blocks_per_page
     waiting: list[Request] = []
     running: dict[int, Request] = {}

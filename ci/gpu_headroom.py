@@ -46,7 +46,7 @@ def main() -> None:
 
     import pynvml
     from elastic_kv.device import device_key
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
     from vllm import LLM, SamplingParams
 
     pynvml.nvmlInit()

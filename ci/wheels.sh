@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Release artefacts: an sdist and a wheel for each of the three packages, the core's wheel repaired to a
+# Release artefacts: an sdist and a wheel for each of the four packages, the core's wheel repaired to a
 # manylinux tag (auditwheel), all in dist/ (or $1). Run from anywhere, in the project's venv (ci/env.sh):
 #
 #   bash ci/wheels.sh [DIST]              # release: each wheel built from its sdist
@@ -28,7 +28,7 @@ log() { printf '[wheels] %s\n' "$*" >&2; }
 
 rm -rf "$dist"
 mkdir -p "$dist"
-for package in elastic-kv-core vllm-elastic-kv sglang-elastic-kv; do
+for package in elastic-kv-core vllm-elastic-kv sglang-elastic-kv elastic-kv-serve; do
     if [ "$in_tree" = 1 ]; then
         log "building $package (sdist; wheel from the source folder)"
         how=(--sdist --wheel)

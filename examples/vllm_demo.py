@@ -151,7 +151,7 @@ class LiveView(threading.Thread):
 
     def __init__(self, server: Server, registry: Path, timeline: Timeline, period: float = 0.25) -> None:
         super().__init__(name="live-view", daemon=True)
-        from elastic_kv.registry_view import Registry
+        from elastic_kv.registry import Registry
 
         self.server = server
         self.registry = Registry(registry)

@@ -1,8 +1,8 @@
-"""The three wheels install into a clean venv and serve a CPU vLLM engine from there (markers slow, vllm).
+"""The four wheels install into a clean venv and serve a CPU vLLM engine from there (markers slow, vllm).
 
 ``ci/wheels.sh --in-tree`` builds the sdists and wheels (the core's repaired to a manylinux tag). A new venv
 gets the engines and their dependencies as hard links of the project venv's site-packages *without* our
-three packages (same files, no download, no copy), then our packages from the wheels alone, resolved
+four packages (same files, no download, no copy), then our packages from the wheels alone, resolved
 offline (``--no-index``: their dependencies must already be there). The engine runs from a folder outside
 the repository with no ``PYTHONPATH``, so nothing can come from the source tree: vLLM finds the plugin
 through the wheel's entry point, and elastic greedy tokens must equal native ones.
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[1]
 # Our modules and distributions, left out of the engines linked into the clean venv.
-OURS = {"elastic_kv", "elastic_kv_core", "vllm_elastic_kv", "sglang_elastic_kv"}
+OURS = {"elastic_kv", "elastic_kv_core", "vllm_elastic_kv", "sglang_elastic_kv", "elastic_kv_serve"}
 
 # Runs inside the clean venv: one engine, greedy tokens and where our modules came from, as one JSON line.
 ENGINE = """
@@ -98,10 +98,12 @@ def test_sdists_and_wheels_are_complete(dist: Path) -> None:
     version = (REPO / "VERSION").read_text().strip()
     assert f"vllm_elastic_kv-{version}-py3-none-any.whl" in names
     assert f"sglang_elastic_kv-{version}-py3-none-any.whl" in names
+    assert f"elastic_kv_serve-{version}-py3-none-any.whl" in names
     (core,) = [n for n in names if n.startswith(f"elastic_kv_core-{version}-") and n.endswith(".whl")]
     assert "-manylinux" in core, core
     assert {
-        f"{n}-{version}.tar.gz" for n in ("elastic_kv_core", "vllm_elastic_kv", "sglang_elastic_kv")
+        f"{n}-{version}.tar.gz"
+        for n in ("elastic_kv_core", "vllm_elastic_kv", "sglang_elastic_kv", "elastic_kv_serve")
     } <= set(names)
     with zipfile.ZipFile(dist / core) as whl:
         assert any(n.startswith("elastic_kv/_vmm") and n.endswith(".so") for n in whl.namelist())
@@ -136,3 +138,20 @@ def test_engine_runs_from_the_wheels_alone(clean_venv: Path, tmp_path: Path) -> 
         assert Path(path).resolve().is_relative_to(clean_venv.resolve()), path
     assert runs["elastic"]["info"] and runs["elastic"]["info"][0], "the elastic pool did not serve the worker"
     assert runs["elastic"]["tokens"] == runs["native"]["tokens"]
+
+
+def test_the_serve_wheel_installs_its_console_script(clean_venv: Path, tmp_path: Path) -> None:
+    # The script and its dependencies resolve from the clean venv; a config with an unknown key is refused
+    # before any engine starts, with one line naming the key (exit status 2).
+    config = tmp_path / "models.toml"
+    config.write_text('[server]\nport = 8000\ncolour = "blue"\n')
+    done = subprocess.run(
+        [str(clean_venv / "bin" / "elastic-kv"), "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("elastic-kv: error:") and "colour" in line, line

@@ -22,7 +22,7 @@ import pytest
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 
 NUM_BLOCKS = 16384
@@ -63,11 +63,11 @@ def vllm_pool():
 
 
 @pytest.fixture(scope="module")
-def ledger() -> Iterator[KVCacheManager]:
+def ledger() -> Iterator[Ledger]:
     # 2 KiB per block and layer in 64 KiB slots: 32 blocks per page, like 64 KiB vLLM blocks in 2 MiB.
     geo = BlockGeometry.from_layer_strides(NUM_BLOCKS * 2 * KIB, NUM_BLOCKS, 1, 0, 2 * KIB, 2 * KIB, 64 * KIB)
     mapper = LocalMapper.for_geometry(_vmm.HostBackend(granularity=64 * KIB), geo)
-    led = KVCacheManager(geo, mapper, ElasticConfig(page_size=64 * KIB, reserve_min_pages=4))
+    led = Ledger(geo, mapper, ElasticConfig(page_size=64 * KIB, reserve_min_pages=4))
     replay(background_trace(), led.alloc, led.free)
     led.settle()
     yield led
@@ -101,7 +101,7 @@ def test_vllm_block_pool_decode(benchmark, vllm_pool, record_per_block) -> None:
     record_per_block("vllm", -DECODE, benchmark)
 
 
-def test_ledger_decode(benchmark, ledger: KVCacheManager, record_per_block) -> None:
+def test_ledger_decode(benchmark, ledger: Ledger, record_per_block) -> None:
     alloc, free = ledger.alloc, ledger.free
 
     def step() -> None:
@@ -118,7 +118,7 @@ def test_ledger_decode(benchmark, ledger: KVCacheManager, record_per_block) -> N
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_ledger(benchmark, ledger: KVCacheManager, record_per_block, n: int) -> None:
+def test_ledger(benchmark, ledger: Ledger, record_per_block, n: int) -> None:
     alloc, free = ledger.alloc, ledger.free
 
     def round_trip() -> None:

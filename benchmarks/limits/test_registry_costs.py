@@ -16,11 +16,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import elastic_kv.registry
+import elastic_kv
 import pytest
-from elastic_kv.registry import PoolRecord
-from elastic_kv.registry_layout import SNAPSHOT_INT_FIELDS
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import PoolRecord, Registry
+from elastic_kv.registry.layout import SNAPSHOT_INT_FIELDS
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 from pytest_benchmark.fixture import BenchmarkFixture
 
@@ -83,7 +82,7 @@ def test_refused_charge_with_four_live_pools(benchmark: BenchmarkFixture, pools:
 
 def test_try_charge_contended(benchmark: BenchmarkFixture, directory: Path, pools: list[PoolRecord]) -> None:
     env = dict(os.environ, ELASTIC_KV_REGISTRY_DIR=str(directory))
-    package_root = str(Path(elastic_kv.registry.__file__).resolve().parents[1])
+    package_root = str(Path(elastic_kv.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     other = subprocess.Popen(
         [sys.executable, str(WORKER), "--name", "rival"],

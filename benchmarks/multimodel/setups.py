@@ -190,7 +190,7 @@ class ElasticSetup(_Engines):
         self.pools = {f"bench.{name}": name for name in plan.names}
 
     def start(self) -> None:
-        from elastic_kv.registry_view import Registry
+        from elastic_kv.registry import Registry
 
         plan = self.plan
         assert plan.kv_total is not None

@@ -9,6 +9,8 @@ from dataplane_helpers import MiB, expected_live_handles, make_rig
 from elastic_kv import _vmm
 
 SLOW = 0.05  # seconds per map call on the slowed-down backend
+# A background request long enough that the test thread, however loaded the machine, acts while it runs.
+LONG_REQUEST = 60
 
 
 def test_map_async_maps_in_the_background(make_backend) -> None:
@@ -27,18 +29,22 @@ def test_map_async_maps_in_the_background(make_backend) -> None:
 
 def test_pending_pages_are_neither_mappable_nor_unmappable_until_done() -> None:
     fault = _vmm.FaultInjectingBackend(_vmm.HostBackend(granularity=2 * MiB))
-    rig = make_rig(fault, num_pages=8)
+    rig = make_rig(fault, num_pages=LONG_REQUEST + 4)
     fault.delay("map", SLOW)
-    ticket = rig.group.map_async([0, 1, 2, 3])
-    assert rig.group.page_state(3) == "pending" and not rig.group.is_mapped(3)
+    pages = list(range(LONG_REQUEST))
+    last = pages[-1]
+    ticket = rig.group.map_async(pages)
+    assert rig.group.page_state(last) == "pending" and not rig.group.is_mapped(last)
     with pytest.raises(ValueError, match="background"):
-        rig.group.map([3])
+        rig.group.map([last])
     with pytest.raises(ValueError, match="background"):
-        rig.group.unmap([3])
-    rig.group.map([6])  # foreground work on other pages interleaves with the request
-    assert rig.group.is_mapped(6)
-    assert rig.group.collect(wait=True) == [(ticket, [0, 1, 2, 3], None)]
-    assert rig.group.mapped_pages() == [0, 1, 2, 3, 6]
+        rig.group.unmap([last])
+    other = LONG_REQUEST + 2
+    rig.group.map([other])  # foreground work on other pages interleaves with the request
+    assert rig.group.is_mapped(other)
+    fault.clear()  # the rest of the request needs no slowing down
+    assert rig.group.collect(wait=True) == [(ticket, pages, None)]
+    assert rig.group.mapped_pages() == [*pages, other]
     fault.clear()
     rig.close()
 
@@ -60,11 +66,11 @@ def test_failed_request_is_rolled_back_and_reported() -> None:
 
 def test_close_cancels_queued_requests_and_joins_the_worker() -> None:
     fault = _vmm.FaultInjectingBackend(_vmm.HostBackend(granularity=2 * MiB))
-    rig = make_rig(fault, num_pages=16)
+    rig = make_rig(fault, num_pages=LONG_REQUEST + 4)
     baseline = fault.live_handles
     fault.delay("map", SLOW)
-    first = rig.group.map_async([0, 1, 2, 3, 4, 5])
-    second = rig.group.map_async([8, 9])
+    first = rig.group.map_async(list(range(LONG_REQUEST)))
+    second = rig.group.map_async([LONG_REQUEST + 1, LONG_REQUEST + 2])
     time.sleep(SLOW)  # the worker is inside the first request
     started = time.monotonic()
     rig.group.close()
@@ -72,7 +78,7 @@ def test_close_cancels_queued_requests_and_joins_the_worker() -> None:
     results = {ticket: error for ticket, _, error in rig.group.collect()}
     assert set(results) == {first, second}
     assert all(error is not None and error.startswith("Cancelled") for error in results.values())
-    assert rig.slot_states() == [["zero"] * 16]
+    assert rig.slot_states() == [["zero"] * (LONG_REQUEST + 4)]
     fault.clear()
     assert fault.live_handles == baseline + rig.pool.cached_handles
 

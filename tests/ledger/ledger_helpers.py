@@ -8,7 +8,7 @@ from typing import Any
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 
 KIB = 1024
@@ -34,7 +34,7 @@ def straddling_geometry(num_blocks: int = 40) -> BlockGeometry:
 class Pool:
     """A ledger over a real SpaceGroup of the host backend (optionally behind a fault injector)."""
 
-    ledger: KVCacheManager
+    ledger: Ledger
     mapper: LocalMapper
     backend: Any  # _vmm.HostBackend or _vmm.FaultInjectingBackend
 
@@ -59,23 +59,24 @@ def make_pool(
     backend = _vmm.FaultInjectingBackend(host) if fault else host
     mapper = LocalMapper.for_geometry(backend, geo)
     cfg = config or ElasticConfig(page_size=geo.page_size, premap=False)
-    return Pool(KVCacheManager(geo, mapper, cfg, **kwargs), mapper, backend)
+    return Pool(Ledger(geo, mapper, cfg, **kwargs), mapper, backend)
 
 
 def fingerprint(pool: Pool) -> tuple[Any, ...]:
     """Everything a failed call must leave unchanged: the ledger's bookkeeping and the data plane's view."""
     led = pool.ledger
+    book = led._book
     return (
-        bytes(led._live),
-        bytes(led._page_state),
-        tuple(tuple(f) for f in led._page_free),
-        tuple(led._page_bucket),
-        led._mask,
-        tuple(led._reserve),
-        tuple(led._pending_epoch.items()),
-        tuple(led._unmapped),
-        led._free_backed,
-        led._unmapped_blocks,
+        bytes(book.live),
+        bytes(book.state),
+        tuple(tuple(f) for f in book.page_free),
+        tuple(book.page_bucket),
+        book.mask,
+        tuple(book.reserve),
+        tuple(book.pending_epoch.items()),
+        tuple(book.unmapped),
+        book.free_backed,
+        book.unmapped_blocks,
         led.used_blocks,
         led.charged_bytes,
         led.available_size(),
@@ -96,14 +97,14 @@ def check_invariants(pool: Pool, issued: set[int] | None = None) -> None:
     mapped = set(group.mapped_pages())
     for b in live:
         assert geo.page_of(b) in mapped, f"live block {b} on unbacked page {geo.page_of(b)}"
-    inflight = {p for pages in led._inflight.values() for p in pages}
+    inflight = {p for pages in led._book.inflight.values() for p in pages}
     ledger_backed = set(led.mapped_pages())
     assert ledger_backed <= mapped
     assert mapped - ledger_backed <= inflight, "data plane maps pages the ledger does not hold"
     if not inflight:
         assert led.charged_bytes == group.mapped_bytes, "charge != physical bytes backed"
-    free_lists = [b for p in ledger_backed for b in led._page_free[p]]
-    assert len(free_lists) == len(set(free_lists)) == led._free_backed + led._withheld_free
+    free_lists = [b for p in ledger_backed for b in led._book.page_free[p]]
+    assert len(free_lists) == len(set(free_lists)) == led._book.free_backed + led._book.withheld_free
     assert not (set(free_lists) & live)
     assert led.used_blocks == len(live) - (led.null_block is not None)
     assert led.available_size() >= 0

@@ -1,4 +1,4 @@
-"""KVCacheManager over the real host data plane: allocation, free, epochs, reserve, limits, failures."""
+"""Ledger over the real host data plane: allocation, free, epochs, reserve, limits, failures."""
 
 from __future__ import annotations
 
@@ -419,7 +419,7 @@ def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
         assert led.snapshot().reserve_pages == 0 and led.free_backed_blocks == 3  # page 0: the null block's
         assert led.expect(3) == 0  # page 0's free blocks hold it
         assert led.expect(3 + 12) == 3  # three more pages, queued at once, one job each ...
-        assert led.snapshot().inflight_pages == 3 and len(led._inflight) == 3
+        assert led.snapshot().inflight_pages == 3 and len(led._book.inflight) == 3
         assert led.expect(3 + 12) == 0  # ... and not again
         settle(pool)  # the engine's next step: maintain() keeps them for the demand it was told of
         assert led.snapshot().reserve_pages == 3

@@ -14,7 +14,7 @@ import pytest
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 
 MIB = 1 << 20
@@ -33,7 +33,7 @@ def test_ledger_drives_cuda_pages_with_deferred_release() -> None:
     )
     mapper = LocalMapper.for_geometry(backend, geo, cached_bytes=64 * MIB)
     cfg = ElasticConfig(page_size=2 * MIB, defer_release=True, reserve_min_pages=1, reserve_max_pages=4)
-    led = KVCacheManager(geo, mapper, cfg)
+    led = Ledger(geo, mapper, cfg)
     (space,) = mapper.group.spaces
     kv = torch.from_dlpack(space)
     assert kv.is_cuda

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from elastic_kv import registry
 from elastic_kv.config import ElasticConfig
 from elastic_kv.snapshot import PoolState
 
 from .ledger_helpers import SLOT, Pool, check_invariants, make_pool, small_geometry
-
-registry = pytest.importorskip("elastic_kv.registry", reason="elastic_kv.registry is on the limits branch")
-registry_view = pytest.importorskip("elastic_kv.registry_view")
 
 PAGE = small_geometry().page_bytes
 CFG = ElasticConfig(
@@ -28,7 +26,7 @@ CFG = ElasticConfig(
 
 @pytest.fixture
 def pools(tmp_path: Path) -> Iterator[tuple[Pool, Pool, Any]]:
-    view = registry_view.Registry(tmp_path)
+    view = registry.Registry(tmp_path)
     view.set_budget("gpu0", 6 * PAGE)
     records = [
         registry.PoolRecord.create(
@@ -81,7 +79,7 @@ def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, Any]) -> None:
 
 def test_kvctl_trim_is_not_undone_by_the_same_maintain(tmp_path: Path) -> None:
     """A trim returns the pre-mapped reserve; the maintain() that applies it does not map it again."""
-    view = registry_view.Registry(tmp_path)
+    view = registry.Registry(tmp_path)
     record = registry.PoolRecord.create(
         "t", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
     )

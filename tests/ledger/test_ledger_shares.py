@@ -21,8 +21,7 @@ from elastic_kv.device import (
     device_key,
     device_total_bytes,
 )
-from elastic_kv.registry import DeviceShare, create_shares
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import DeviceShare, Registry, create_shares
 
 from .ledger_helpers import SLOT, Pool, check_invariants, make_pool, small_geometry
 

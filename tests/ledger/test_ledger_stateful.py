@@ -82,7 +82,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @settled
     def alloc(self, n: int) -> None:
         led = self.pool.ledger
-        quiet = not led._inflight  # no background map can land during this call
+        quiet = not led._book.inflight  # no background map can land during this call
         before = fingerprint(self.pool) if quiet else None
         got = led.alloc(n)
         if got is None:

@@ -9,13 +9,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import elastic_kv.registry
+import elastic_kv
 import pytest
 
 from limits.helpers import PoolProcess
 
 # Where `elastic_kv` is imported from here: child processes get the same tree (installed or a checkout).
-PACKAGE_ROOT = Path(elastic_kv.registry.__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(elastic_kv.__file__).resolve().parents[1]
 
 
 @pytest.fixture

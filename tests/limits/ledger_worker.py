@@ -1,4 +1,4 @@
-"""A real process running the real ledger (KVCacheManager) over the host data plane, with a shared record.
+"""A real process running the real ledger (Ledger) over the host data plane, with a shared record.
 
 Started by ``test_ledger_integration.py``; one JSON line per command on stdin:
 
@@ -19,7 +19,7 @@ from typing import Any
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 from elastic_kv.registry import PoolRecord
 
@@ -51,7 +51,7 @@ def main() -> None:
     )
     config = ElasticConfig(page_size=PAGE, reserve_min_pages=0, reserve_max_pages=0, premap=False,
                            limit_bytes=args.limit, publish_interval_s=0.0)  # fmt: skip
-    ledger = KVCacheManager(geometry, LocalMapper(group), config, record=record, name=args.name)
+    ledger = Ledger(geometry, LocalMapper(group), config, record=record, name=args.name)
     reply({"ready": True, "page_bytes": geometry.page_bytes})
 
     live: list[int] = []

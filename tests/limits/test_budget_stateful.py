@@ -21,8 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastic_kv.registry import UNBOUNDED, PoolRecord, RecordEvents
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import UNBOUNDED, PoolRecord, RecordEvents, Registry
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 from limits.helpers import PoolProcess
 

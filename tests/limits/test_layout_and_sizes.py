@@ -7,7 +7,8 @@ import itertools
 import math
 
 import pytest
-from elastic_kv.registry_layout import (
+from elastic_kv.registry import LatencyHistogram
+from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     SNAPSHOT_INT_FIELDS,
     DeviceLayout,
@@ -18,7 +19,6 @@ from elastic_kv.registry_layout import (
     SlotLayout,
     TextField,
 )
-from elastic_kv.registry_view import LatencyHistogram
 from elastic_kv.sizes import Percent, format_bytes, parse_amount, parse_size
 from elastic_kv.snapshot import PoolSnapshot
 

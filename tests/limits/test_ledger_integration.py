@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 from limits.helpers import JsonLineProcess
 

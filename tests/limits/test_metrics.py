@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from elastic_kv.metrics import RegistryCollector
-from elastic_kv.registry_layout import HISTOGRAM_BOUNDS
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
+from elastic_kv.registry.layout import HISTOGRAM_BOUNDS
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -11,11 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_kv.budget import DeviceBudget
-from elastic_kv.registry import PoolRecord
-from elastic_kv.registry_fs import file_lock_is_free
-from elastic_kv.registry_layout import RecordLayout
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import DeviceBudget, PoolRecord, Registry
+from elastic_kv.registry.files import file_lock_is_free
+from elastic_kv.registry.layout import RecordLayout
 
 from limits.helpers import PoolProcess, wait_until
 

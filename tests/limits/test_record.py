@@ -10,12 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_kv.budget import DeviceBudget
 from elastic_kv.errors import ConfigError, StateConsistencyError
-from elastic_kv.registry import UNBOUNDED, PoolRecord
-from elastic_kv.registry_fs import ProcessIdentity, RegistryConfig, owner_is_dead, pid_namespace
-from elastic_kv.registry_layout import HISTOGRAM_BOUNDS, DeviceLayout, RecordLayout, SlotLayout
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import UNBOUNDED, DeviceBudget, PoolRecord, Registry
+from elastic_kv.registry.files import ProcessIdentity, RegistryConfig, owner_is_dead, pid_namespace
+from elastic_kv.registry.layout import HISTOGRAM_BOUNDS, DeviceLayout, RecordLayout, SlotLayout
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ import pytest
 from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import StateConsistencyError
 from elastic_kv.geometry import BlockFamily, BlockGeometry
-from elastic_kv.ledger import KVCacheManager
+from elastic_kv.ledger import Ledger
 from elastic_kv.ranks import CoordinatorMapper
 from elastic_kv.ranks.messages import Op
 from ranks_harness import Cluster
@@ -163,13 +163,13 @@ def test_collect_can_wait_for_the_oldest_jobs_only(cluster: Cluster, pool: int) 
 # -- a ledger driving the ranks through the mapper --------------------------------------------------------
 
 
-def _ledger(cluster: Cluster, pool: int, mapper: CoordinatorMapper, **config: int) -> KVCacheManager:
+def _ledger(cluster: Cluster, pool: int, mapper: CoordinatorMapper, **config: int) -> Ledger:
     page = 2 << 20  # the host backend's granularity: the harness's pages, one handle each
     block = page // 4
     geometry = BlockGeometry([16 * page], [BlockFamily(0, 0, block, block)], 64, page, blocks_per_page=4)
     assert geometry.num_pages == 16 and geometry.page_bytes == page
     cfg = ElasticConfig(**{"page_size": page, "reserve_min_pages": 0, "reserve_max_pages": 0, **config})
-    return KVCacheManager(geometry, mapper, cfg, null_block=0)
+    return Ledger(geometry, mapper, cfg, null_block=0)
 
 
 def test_ledger_churn_through_the_mapper_keeps_ranks_and_ledger_in_step(

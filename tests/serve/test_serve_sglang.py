@@ -13,7 +13,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 from tests.support.models import DISTINCT_SPECS, tiny_model
 from tests.support.serve import SGLANG_CPU_ARGS, ServeProcess, sglang_cpu_env

@@ -26,8 +26,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from elastic_kv.registry_layout import UNLIMITED
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import UNLIMITED, Registry
 
 from tests.support.models import DISTINCT_SPECS, tiny_model
 from tests.support.serve import POOL_ENV, VLLM_CPU_ARGS, ServeProcess

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 from tests.support.sglang_engine import (
     EngineProcess,

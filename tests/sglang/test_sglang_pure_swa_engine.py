@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 from tests.support.sglang_engine import (
     EngineProcess,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from elastic_kv.errors import ConfigError
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 
 pytestmark = pytest.mark.sglang
 

@@ -157,7 +157,7 @@ def test_kvctl_lists_the_pool(server: Server) -> None:
 
 
 def test_kvctl_limit_makes_it_retract_not_crash(server: Server) -> None:
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
 
     prompts = [[(11 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
     results: list[dict[str, Any]] = []

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 from elastic_kv.snapshot import PoolSnapshot
 
 from tests.support.models import REPO_ROOT

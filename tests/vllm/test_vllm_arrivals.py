@@ -3,7 +3,7 @@
 A fresh interpreter runs the elastic engine core and worker in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 so the scheduler's pool can be read at the moment the first step begins: ``LLM.generate`` adds the whole
 batch, and each ``add_request`` asks the ledger to map its prompt's pages in the background
-(``SchedulerPool.request_added`` -> ``KVCacheManager.expect``). Then greedy tokens must still equal pure
+(``SchedulerPool.request_added`` -> ``Ledger.expect``). Then greedy tokens must still equal pure
 vLLM's.
 """
 

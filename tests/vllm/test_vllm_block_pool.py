@@ -17,7 +17,7 @@ import pytest
 import torch
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
-from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.ledger import Ledger
 from elastic_kv.mapper import LocalMapper
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool

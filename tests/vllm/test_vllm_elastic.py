@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 from elastic_kv.sizes import format_bytes
 from vllm_engines import (
     TEST_ENV,

@@ -61,7 +61,7 @@ def test_every_rank_backs_the_same_pages(llm: Any, registry_dir: Path) -> None:
 
 def test_the_device_is_charged_for_every_rank(llm: Any, registry_dir: Path) -> None:
     """Both ranks back every page on the one host device: its budget is charged for both, exactly."""
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
 
     generate(llm)
 

@@ -25,9 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from elastic_kv.budget import DeviceBudget
-from elastic_kv.registry import PoolRecord
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import DeviceBudget, PoolRecord, Registry
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
 pytestmark = pytest.mark.vllm

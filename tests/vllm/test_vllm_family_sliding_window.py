@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry
 from vllm_families import FAMILIES, FamilyChecks, pool_snapshot, preemptions, sampling
 
 pytestmark = pytest.mark.vllm

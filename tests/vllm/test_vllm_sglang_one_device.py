@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from elastic_kv.budget import DeviceBudget
 from elastic_kv.device import HOST_DEVICE, device_total_bytes
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import DeviceBudget, Registry
 from vllm_engines import TEST_ENV, elastic_llm, generate, sampling
 
 from tests.support.models import tiny_model

@@ -165,14 +165,14 @@ def rss_shmem_bytes(pid: int) -> int:
 def pool_snapshot(registry_dir: Path, name: str) -> Any:
     """The pool's last published snapshot (at most ``publish_interval_s`` old), read from the shared
     registry like ``kvctl`` does."""
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
 
     return Registry(registry_dir).pool(name).snapshot
 
 
 def charged_bytes(registry_dir: Path, name: str) -> int:
     """Physical bytes the pool backs now: its charge in the registry, updated at every map and unmap."""
-    from elastic_kv.registry_view import Registry
+    from elastic_kv.registry import Registry
 
     return int(Registry(registry_dir).pool(name).charged_bytes)
 

@@ -277,17 +277,20 @@ class FamilyChecks:
     family: Family
 
     @pytest.fixture(scope="class")
-    def native(self) -> dict[str, Any]:
-        return reference_runs(self.family)
+    @classmethod
+    def native(cls) -> dict[str, Any]:
+        return reference_runs(cls.family)
 
     @pytest.fixture(scope="class")
-    def registry_dir(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return tmp_path_factory.mktemp(f"registry-{self.family.name}")
+    @classmethod
+    def registry_dir(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tmp_path_factory.mktemp(f"registry-{cls.family.name}")
 
     @pytest.fixture(scope="class")
-    def llm(self, native: dict[str, Any], registry_dir: Path) -> Iterator[Any]:
+    @classmethod
+    def llm(cls, native: dict[str, Any], registry_dir: Path) -> Iterator[Any]:
         # After the reference: its engine is gone before this one starts.
-        with family_engine(self.family, registry_dir) as engine:
+        with family_engine(cls.family, registry_dir) as engine:
             yield engine
 
     def mapped(self, registry_dir: Path) -> int:
@@ -346,7 +349,7 @@ class FamilyChecks:
     def test_lower_limit_preempts_instead_of_failing(
         self, llm: Any, registry_dir: Path, native: dict[str, Any]
     ) -> None:
-        from elastic_kv.registry_view import Registry
+        from elastic_kv.registry import Registry
 
         if not self.family.limit_pages:
             pytest.skip("the family runs one sequence at a time: a limit has nothing to preempt")

@@ -31,9 +31,15 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_kv.errors import ConfigError
-from elastic_kv.registry_fs import check_device_name
-from elastic_kv.registry_layout import UNLIMITED
-from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry, UnknownDeviceError, UnknownPoolError
+from elastic_kv.registry import (
+    UNLIMITED,
+    DeviceInfo,
+    PoolInfo,
+    Registry,
+    UnknownDeviceError,
+    UnknownPoolError,
+)
+from elastic_kv.registry.files import check_device_name
 from elastic_kv.sizes import Percent, format_bytes, parse_amount
 
 __all__ = ["EXIT_BAD_ARGUMENT", "EXIT_REGISTRY", "EXIT_TIMEOUT", "EXIT_UNKNOWN", "main", "render_list"]

@@ -16,8 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from elastic_kv.registry_layout import UNLIMITED
-from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry
+from elastic_kv.registry import UNLIMITED, DeviceInfo, PoolInfo, Registry
 from elastic_kv.sizes import format_bytes
 
 __all__ = ["render_top", "run_top"]

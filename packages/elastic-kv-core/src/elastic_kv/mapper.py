@@ -100,7 +100,7 @@ class LocalMapper:
         cls, backend: _vmm.Backend, geometry: BlockGeometry, *, cached_bytes: int = 0
     ) -> LocalMapper:
         """Reserve the geometry's spaces on ``backend`` and group them: a ready mapper for a
-        :class:`~elastic_kv.ledger.KVCacheManager`. ``cached_bytes`` caps the physical handles kept for
+        :class:`~elastic_kv.ledger.Ledger`. ``cached_bytes`` caps the physical handles kept for
         reuse after unmap (0 = release at once); they save a create/release per map/unmap cycle but hold
         device memory that no pool is charged for, so keep the cap small (the ledger's reserve already
         avoids most cycles). The engine's tensors are ``torch.from_dlpack(space)`` over

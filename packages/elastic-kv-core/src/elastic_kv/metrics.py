@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from elastic_kv.errors import ConfigError
-from elastic_kv.registry_view import DeviceInfo, PoolInfo, Registry
+from elastic_kv.registry import DeviceInfo, PoolInfo, Registry
 
 __all__ = ["RegistryCollector", "main", "serve"]
 

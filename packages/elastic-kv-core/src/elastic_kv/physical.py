@@ -4,7 +4,7 @@ The ledger charges every byte before the data plane backs it and returns it afte
 released it, so that :attr:`PhysicalAccount.charged` always equals the bytes the pool holds (the data
 plane's ``mapped_bytes``, plus pages being mapped in the background). Three things bound growth:
 
-* the pool's own **limit** (``ElasticConfig.limit_bytes``, ``KVCacheManager.resize``, or ``kvctl`` through
+* the pool's own **limit** (``ElasticConfig.limit_bytes``, ``Ledger.resize``, or ``kvctl`` through
   the shared record);
 * the shared **record** (``elastic_kv.registry.PoolRecord``): ``try_charge`` is atomic across processes
   against the pool limit and the GPU-wide budget, so two engines can never both take the last bytes;

@@ -1,6 +1,6 @@
 """Typed, immutable statistics of one KV pool, for kvctl, metrics and the shared-memory registry.
 
-A :class:`PoolSnapshot` is what :meth:`elastic_kv.ledger.KVCacheManager.snapshot` returns and what the
+A :class:`PoolSnapshot` is what :meth:`elastic_kv.ledger.Ledger.snapshot` returns and what the
 ledger hands to ``PoolRecord.publish``. It is a plain frozen value: readers (``kvctl``, the Prometheus
 exporter, tests) never see a half-updated pool, and the registry can serialise it with :meth:`as_dict`
 and rebuild it with :meth:`from_dict` without knowing the ledger.
@@ -54,7 +54,7 @@ class PoolSnapshot:
     limit_bytes: int  # physical limit the pool follows now (0 = unlimited)
     reserve_hits: int  # new pages served from the reserve without a driver call
     reserve_misses: int  # new pages that had to be mapped synchronously on the allocating thread
-    epoch: int  # current release epoch (see KVCacheManager.advance_epoch)
+    epoch: int  # current release epoch (see Ledger.advance_epoch)
     timestamp: float  # time.time() when the snapshot was taken
     preemptions: int = 0  # requests the engine preempted (to recompute later) since the pool started
     draining_pages: int = 0  # pages being released to meet the limit: none of their blocks is issued

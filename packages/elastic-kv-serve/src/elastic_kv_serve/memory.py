@@ -7,9 +7,9 @@ device budget that ``kvctl budget`` shows.
 * Device size (for ``budget = "80%"``): ``device_memory`` from the config, else GPU 0's memory through NVML
   where there is a GPU, else the host's physical memory.
 * KV: the ``charged_bytes`` of each model's pool records in the registry (physical bytes backed now).
-* Budget: one device budget (``elastic_kv.budget``) covers every pool's KV on a device. The server keeps it
-  at *budget - weights of the awake models*, so weights and KV together stay within ``[server] budget``, and
-  restores the device's previous budget when it stops.
+* Budget: one device budget (``elastic_kv.registry.budget``) covers every pool's KV on a device. The
+  server keeps it at *budget - weights of the awake models*, so weights and KV together stay within
+  ``[server] budget``, and restores the device's previous budget when it stops.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from elastic_kv.registry_layout import UNLIMITED
-from elastic_kv.registry_view import PoolInfo, Registry
+from elastic_kv.registry import UNLIMITED, PoolInfo, Registry
 from elastic_kv.sizes import Percent
 
 __all__ = ["BudgetKeeper", "checkpoint_bytes", "device_total_bytes", "pool_names", "resolve_budget"]

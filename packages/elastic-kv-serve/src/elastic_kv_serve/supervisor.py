@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from elastic_kv.registry_fs import RegistryConfig
-from elastic_kv.registry_view import Registry
+from elastic_kv.registry import Registry, RegistryConfig
 
 from elastic_kv_serve import memory, policy
 from elastic_kv_serve.config import ServeConfig

@@ -2,7 +2,7 @@
 
 Both subclass SGLang's own allocators and keep their free lists, kernels and free-group handling; what
 changes is that the free list holds only slots that are *backed*, and that backing is taken from and
-returned to the ledger (:class:`elastic_kv.ledger.KVCacheManager`), which maps pages before it hands a
+returned to the ledger (:class:`elastic_kv.ledger.Ledger`), which maps pages before it hands a
 block out. So every index SGLang receives points at backed memory.
 
 * :class:`ElasticPagedTokenToKVPoolAllocator` (page_size > 1): ledger block id = SGLang page id. Pages

@@ -7,7 +7,7 @@ pool, world size 1, :class:`elastic_kv.mapper.LocalMapper`) from the pool's buff
   K and V tensors), reserved at full size so addresses never change; SGLang's tensors are views of them;
 * a :class:`elastic_kv.geometry.BlockGeometry` saying which bytes each block occupies;
 * a :class:`elastic_kv._vmm.SpaceGroup` over the spaces, driven through a ``LocalMapper``;
-* the ledger (:class:`elastic_kv.ledger.KVCacheManager`), which hands out block ids, maps their pages
+* the ledger (:class:`elastic_kv.ledger.Ledger`), which hands out block ids, maps their pages
   before returning them, keeps the null block 0 backed, and publishes the pool in the registry.
 
 The backend follows the pool's device: ``cpu`` -> ``HostBackend`` (real host virtual memory),
@@ -26,7 +26,7 @@ from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry
 
 if TYPE_CHECKING:
-    from elastic_kv.ledger import KVCacheManager
+    from elastic_kv.ledger import Ledger
     from elastic_kv.registry import PoolRecord
     from elastic_kv.snapshot import PoolSnapshot
 
@@ -76,7 +76,7 @@ class ElasticBacking:
         spaces: list[Any],
         geometry: BlockGeometry,
         group: Any,
-        ledger: KVCacheManager,
+        ledger: Ledger,
         record: PoolRecord | None,
         buffers: Sequence[BufferSpec],
         handles: Any = None,
@@ -113,7 +113,7 @@ class ElasticBacking:
         """
         from elastic_kv import _vmm
         from elastic_kv.device import default_min_free_bytes
-        from elastic_kv.ledger import KVCacheManager
+        from elastic_kv.ledger import Ledger
         from elastic_kv.mapper import LocalMapper
         from elastic_kv.registry import PoolRecord
 
@@ -154,7 +154,7 @@ class ElasticBacking:
             suffix_if_taken=pool_config.pool_name is None,
         )
         try:
-            ledger = KVCacheManager(
+            ledger = Ledger(
                 geometry,
                 LocalMapper(group),
                 pool_config,

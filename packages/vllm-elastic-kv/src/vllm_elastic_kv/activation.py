@@ -5,7 +5,7 @@ Every way of starting vLLM (``LLM``, ``AsyncLLM``, ``vllm serve``) builds its ``
 config untouched; with the elastic backend it
 
 1. refuses what the plugin does not support (an unsupported vLLM version, a custom scheduler or worker
-   class, pipeline or data parallelism, a multi-host executor, KV connectors / offloading, speculative
+   class, data parallelism, a multi-host executor, KV connectors / offloading, speculative
    decoding, encoder-decoder models) with one :class:`~elastic_kv.errors.ConfigError` naming each;
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
@@ -63,8 +63,6 @@ def unsupported(vllm_config: Any) -> list[str]:
         reasons.append(f"a custom scheduler class (--scheduler-cls {sched.scheduler_cls})")
     if par.worker_cls not in WORKERS and par.worker_cls not in WORKERS.values():
         reasons.append(f"worker class {par.worker_cls} (elastic-kv knows {', '.join(WORKERS)})")
-    if par.pipeline_parallel_size > 1:
-        reasons.append(f"pipeline parallelism (--pipeline-parallel-size {par.pipeline_parallel_size})")
     if par.data_parallel_size > 1:
         reasons.append(f"data parallelism (--data-parallel-size {par.data_parallel_size})")
     backend = par.distributed_executor_backend
@@ -88,7 +86,7 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
     cannot. Idempotent: a config activated once is left as it is."""
     version = compat.installed_version()
     support = compat.support_for(version)
-    problems = compat.check_installed(support)
+    problems = compat.check_installed(support) + [f"{m}: missing" for m in compat.missing_members(support)]
     if problems:
         raise ConfigError(
             f"vllm-elastic-kv: vLLM {'.'.join(map(str, version))} does not have what the {support.label} "

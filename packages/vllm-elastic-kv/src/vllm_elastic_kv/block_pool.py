@@ -8,7 +8,7 @@ the ledger, not to the queue.** So
 
 * ``free_block_queue`` holds only blocks whose contents are still wanted (cached prefix blocks, blocks
   released with ``unpin_blocks``): exactly vLLM's eviction candidates, in vLLM's LRU order;
-* the ledger (:class:`elastic_kv.ledger.KVCacheManager`) holds every other free id, issues them
+* the ledger (:class:`elastic_kv.ledger.Ledger`) holds every other free id, issues them
   page-affinely and backs or releases the pages;
 * free capacity = the ledger's ``available_size()`` (free blocks it can back now, within the physical
   limit) + the eviction candidates. Cached blocks count as free, as natively: reusing one in place never
@@ -45,8 +45,10 @@ from elastic_kv.errors import PoolExhausted
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from vllm_elastic_kv import compat
+
 if TYPE_CHECKING:
-    from elastic_kv.ledger import KVCacheManager as Ledger
+    from elastic_kv.ledger import Ledger
 
 __all__ = ["ElasticBlockPool"]
 
@@ -62,10 +64,12 @@ class ElasticBlockPool(BlockPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        compat.check_instance(self, "vllm.v1.core.block_pool.BlockPool")
         # vLLM queued every block; ours holds only blocks worth keeping, and there are none yet.
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        compat.check_instance(self.free_block_queue, "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue")
         self.ledger: Ledger | None = None
         self._stash: list[int] = []  # ids taken from the ledger by admission, not yet handed out
         self._strict = False  # admission could not back its bound: count held blocks only

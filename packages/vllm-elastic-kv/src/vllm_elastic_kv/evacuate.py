@@ -1,7 +1,7 @@
 """Getting under a lowered limit within a bounded number of steps: vacate the pages being released.
 
 When ``kvctl limit`` drops a pool's limit below what it holds, the ledger chooses pages to release -- its
-*draining* pages (:meth:`elastic_kv.ledger.KVCacheManager.draining_pages`) -- and from then on issues no
+*draining* pages (:meth:`elastic_kv.ledger.Ledger.draining_pages`) -- and from then on issues no
 block on them, so a block freed there is never handed to another request. It chooses them in the order
 :func:`drain_order` gives: pages that only cached blocks hold, then the pages that preempting running
 requests from the back of vLLM's running queue (vLLM's own preemption order) vacates, so that as few

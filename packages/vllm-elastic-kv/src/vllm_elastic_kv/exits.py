@@ -18,8 +18,7 @@ import socket
 from pathlib import Path
 
 from elastic_kv.ranks import socket_path
-from elastic_kv.registry_fs import RegistryConfig
-from elastic_kv.registry_view import reclaim_dead
+from elastic_kv.registry import RegistryConfig, reclaim_dead
 
 __all__ = ["clean_up_after_engine", "register_clean_up"]
 

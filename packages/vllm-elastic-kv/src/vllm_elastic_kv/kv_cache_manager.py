@@ -34,6 +34,7 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 
 __all__ = ["ElasticKVCacheManager", "admission_bound", "queued_hits"]
@@ -79,6 +80,11 @@ class ElasticKVCacheManager(KVCacheManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        compat.check_instance(self, "vllm.v1.core.kv_cache_manager.KVCacheManager")
+        compat.check_instance(self.coordinator, "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator")
+        single_type = "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager"
+        for manager in self.coordinator.single_type_managers:
+            compat.check_instance(manager, single_type)
         self._block_sizes = [int(m.block_size) for m in self.coordinator.single_type_managers]
         pool = self.block_pool
         self._pool: ElasticBlockPool | None = pool if isinstance(pool, ElasticBlockPool) else None

@@ -80,6 +80,7 @@ class ElasticSchedulerMixin:
             ),
         ):
             super().__init__(*args, **kwargs)
+        compat.check_instance(self, "vllm.v1.core.sched.scheduler.Scheduler")
         pool = self.kv_cache_manager.block_pool
         if not isinstance(pool, ElasticBlockPool) or not isinstance(
             self.kv_cache_manager, ElasticKVCacheManager

@@ -14,11 +14,11 @@ are serving their ranks by then) and wires:
   one per device its ranks back pages on, named by :func:`elastic_kv.device.device_key` (``cpu``, or
   the GPU's UUID), each charged for the ranks on its device (:func:`rank_devices`), and each carrying
   the device's memory size so that ``kvctl`` percentages work;
-* the **ledger** (``elastic_kv.ledger.KVCacheManager``) with ``defer_release``: a page emptied while a
+* the **ledger** (``elastic_kv.ledger.Ledger``) with ``defer_release``: a page emptied while a
   step that may read it is in flight is released only when that step's output is back.
 
 Arrivals: :meth:`SchedulerPool.request_added` tells the ledger what the prompts that arrived since the last
-step will need (:meth:`KVCacheManager.expect`, bounded like the reserve), so a burst's first pages are
+step will need (:meth:`Ledger.expect`, bounded like the reserve), so a burst's first pages are
 mapped in the background while the engine is still taking the burst in, not while its first step waits.
 
 Epochs (:class:`StepEpochs`): :meth:`SchedulerPool.step_dispatched` after each ``schedule()`` starts an
@@ -43,7 +43,7 @@ from elastic_kv.device import (
     device_key,
     device_total_bytes,
 )
-from elastic_kv.ledger import KVCacheManager as Ledger
+from elastic_kv.ledger import Ledger
 from elastic_kv.ranks import Coordinator, CoordinatorMapper, InProcessTransport, SocketTransport, Transport
 from elastic_kv.registry import DeviceShare, create_shares
 
@@ -255,7 +255,7 @@ class SchedulerPool:
 
     def step_dispatched(self, light: bool = False) -> int:
         """A step was scheduled (its blocks are allocated): start its epoch, do the step's housekeeping
-        (``light``: a decode step, see :meth:`elastic_kv.ledger.KVCacheManager.maintain`)."""
+        (``light``: a decode step, see :meth:`elastic_kv.ledger.Ledger.maintain`)."""
         if self.over_limit():
             # Memory must come back: whole pages of the prefix cache first (they hold nothing else);
             # pages of running requests follow as they finish or are preempted.

@@ -38,8 +38,9 @@ def bound_kv_views(vllm_config: Any, kv_cache_config: Any) -> list[torch.Tensor]
     write), from the compilation config's static forward context.
 
     An attention layer holds one tensor; a Mamba / linear-attention layer one per state (conv, SSM); vLLM
-    0.26-0.28 wraps either in a list per virtual engine (one: pipeline parallelism is refused). Every tensor
-    found counts: a state the geometry missed would be served by the zero page."""
+    0.26-0.28 wraps either in a list per virtual engine (one per worker in V1, also with pipeline
+    parallelism, where each stage's worker holds only its own layers). Every tensor found counts: a state
+    the geometry missed would be served by the zero page."""
     context = vllm_config.compilation_config.static_forward_context
     views: list[torch.Tensor] = []
 
@@ -66,6 +67,7 @@ class ElasticWorkerMixin:
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """vLLM's ``initialize_from_config``, with the KV cache allocated in elastic spaces and served to the
         scheduler's coordinator afterwards."""
+        compat.check_instance(self, "vllm.v1.worker.gpu_worker.Worker")
         plugin = PluginConfig.from_vllm_config(self.vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_kv.budget import DeviceBudget
-from elastic_kv.registry_fs import (
+from elastic_kv.registry.budget import DeviceBudget
+from elastic_kv.registry.files import (
     RegistryConfig,
     check_device_name,
     check_pool_name,
@@ -34,7 +34,7 @@ from elastic_kv.registry_fs import (
     registry_lock,
     remove_stale_temporaries,
 )
-from elastic_kv.registry_layout import (
+from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
     SNAPSHOT_INT_FIELDS,

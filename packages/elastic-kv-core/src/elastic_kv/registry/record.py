@@ -9,16 +9,15 @@ The ledger of each pool creates one record. Through it the pool
 * publishes its statistics and map/unmap latencies for ``kvctl`` and the Prometheus collector, which may
   run in any other process of the user (:meth:`PoolRecord.publish`, :meth:`PoolRecord.observe`).
 
-Life cycle: the record is a file ``<registry>/<name>.pool`` (0600, layout ``registry_layout.RecordLayout``)
-mapped in the owner, who holds an exclusive ``flock`` on it until it closes. :meth:`PoolRecord.close`
-(also run at interpreter exit and when the record is garbage-collected) returns the pool's charge to the
-device and removes the file. If the owner dies without closing -- SIGKILL, OOM killer -- the next scan
-(``kvctl``, a metrics scrape, the next pool created) or a charge that needs the memory reclaims it.
+Life cycle: the record is a file ``<registry>/<name>.pool`` (0600, layout
+:class:`~elastic_kv.registry.layout.RecordLayout`) mapped in the owner, who holds an exclusive ``flock``
+on it until it closes. :meth:`PoolRecord.close` (also run at interpreter exit and when the record is
+garbage-collected) returns the pool's charge to the device and removes the file. If the owner dies without
+closing -- SIGKILL, OOM killer -- the next scan (``kvctl``, a metrics scrape, the next pool created) or a
+charge that needs the memory reclaims it.
 
-Several devices. A pool whose ranks back every page on several devices (tensor parallelism over GPUs) has
-one record per device (:func:`create_shares`): the primary one under the pool's name, the others named
-``<name>.r<rank>`` after the first rank on their device; each is charged for the ranks on its device, so
-every device's budget sees the bytes really backed on it.
+A pool whose ranks back every page on several devices has one record per device
+(:mod:`elastic_kv.registry.shares`).
 
 Names are the pool's own, exactly as given: two pools cannot share one (the second gets ``ConfigError``
 while the first lives) unless the creator asks for a free suffix (``suffix_if_taken``), which is meant for
@@ -28,7 +27,6 @@ names the engine plugin made up, never for a name the user chose.
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import mmap
 import os
@@ -38,13 +36,12 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_kv.budget import DeviceBudget
 from elastic_kv.errors import ConfigError
-from elastic_kv.registry_fs import (
+from elastic_kv.registry.budget import DeviceBudget
+from elastic_kv.registry.files import (
     ProcessIdentity,
     RegistryConfig,
     check_device_name,
@@ -53,17 +50,17 @@ from elastic_kv.registry_fs import (
     ensure_private_directory,
     registry_lock,
 )
-from elastic_kv.registry_layout import (
+from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
     SNAPSHOT_INT_FIELDS,
     UNLIMITED,
     RecordLayout,
 )
-from elastic_kv.registry_view import read_record, reclaim_dead_locked
+from elastic_kv.registry.view import read_record, reclaim_dead_locked
 from elastic_kv.snapshot import PoolSnapshot
 
-__all__ = ["UNBOUNDED", "UNLIMITED", "DeviceShare", "PoolRecord", "RecordEvents", "create_shares"]
+__all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
 
 logger = logging.getLogger(__name__)
 
@@ -486,62 +483,3 @@ def _name_taken_message(directory: Path, name: str, suffixed: bool) -> str:
     except OSError:
         pass
     return f"pool name {name!r} is in use{owner}; choose another name for this pool"
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceShare:
-    """One of a pool's records: ``ranks`` of the pool's ranks back each of its pages on ``record.device``."""
-
-    record: PoolRecord
-    ranks: int
-
-    def __post_init__(self) -> None:
-        if self.ranks < 1:
-            raise ValueError(f"a device share stands for >= 1 rank, got {self.ranks}")
-
-
-def create_shares(
-    name: str,
-    rank_devices: Sequence[str],
-    *,
-    engine: str,
-    model: str,
-    limit_bytes: int,
-    registry_dir: Path | None = None,
-    device_total_bytes: Mapping[str, int] | None = None,
-    suffix_if_taken: bool = False,
-) -> list[DeviceShare]:
-    """The records of a pool whose rank ``r`` backs every page on device ``rank_devices[r]``.
-
-    One record per distinct device, in the order of their first rank: the first (rank 0's device) is
-    named ``name`` (or a free suffix of it, see :meth:`PoolRecord.create`), the others
-    ``<chosen name>.r<first rank on the device>``. ``limit_bytes`` (bytes of one device) starts on every
-    record; ``device_total_bytes`` gives each device's size where known. Raises like
-    :meth:`PoolRecord.create`; on failure the records created so far are closed.
-    """
-    if not rank_devices:
-        raise ValueError("a pool has at least one rank")
-    counts = collections.Counter(rank_devices)
-    first_rank: dict[str, int] = {}
-    for rank, device in enumerate(rank_devices):
-        first_rank.setdefault(device, rank)
-    totals = device_total_bytes or {}
-    shares: list[DeviceShare] = []
-    try:
-        for device, rank in first_rank.items():
-            record = PoolRecord.create(
-                name if not shares else f"{shares[0].record.name}.r{rank}",
-                device=device,
-                engine=engine,
-                model=model,
-                limit_bytes=limit_bytes,
-                registry_dir=registry_dir,
-                device_total_bytes=totals.get(device, 0),
-                suffix_if_taken=suffix_if_taken and not shares,
-            )
-            shares.append(DeviceShare(record, counts[device]))
-    except BaseException:
-        for share in shares:
-            share.record.close()
-        raise
-    return shares

@@ -1,9 +1,11 @@
-"""Every vLLM version difference the plugin knows, in one table, and the few patches it makes.
+"""The vLLM releases the plugin supports and the named vLLM symbols it relies on, by signature.
 
-vLLM has no API for an alternative KV cache, so the plugin depends on named vLLM symbols. Each one is a
-:class:`Target` below, listed once, with the version range that has it; ``tests/vllm/test_compat.py`` checks
-every target of the installed vLLM by signature and, for the other supported releases, against their source
-(the released wheels), so a moved target fails a test instead of a serving engine.
+vLLM has no API for an alternative KV cache, so the plugin depends on named vLLM symbols. Each function,
+method, class or rebound module-level name is a :class:`Target` below, listed once, with the version range
+that has it; ``tests/vllm/test_vllm_compat.py`` checks every target of the installed vLLM by signature and,
+for the other supported releases, against their source (the released wheels), so a moved target fails a
+test instead of a serving engine. Attributes, fields and instance members the plugin reads are in
+:mod:`vllm_elastic_kv.compat.members`.
 
 Supported releases and what differs between them (:data:`SUPPORT`):
 
@@ -18,46 +20,30 @@ Supported releases and what differs between them (:data:`SUPPORT`):
 In every supported release the worker allocates the KV cache inside
 ``Worker._maybe_get_memory_pool_context("kv_cache")`` (the CPU worker inherits it), so the worker side needs
 no patch: :mod:`vllm_elastic_kv.worker` overrides that method in a ``--worker-cls`` subclass.
-
-Patches (:func:`apply_patch`) are idempotent: the replacement carries a marker attribute naming the patch,
-and applying a patch whose marker is already in place does nothing. :func:`patched_symbols` lists the
-markers in place, which is how tests prove that an installed but disabled plugin changed nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
 import inspect
-import logging
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from elastic_kv.errors import ConfigError
 
 __all__ = [
-    "PATCH_MARKER",
     "SUPPORT",
-    "Patch",
     "Target",
+    "Version",
     "VersionSupport",
-    "apply_patch",
     "check_installed",
     "installed_version",
     "parse_version",
-    "patched_symbols",
     "resolve",
-    "scoped_attribute",
     "support_for",
     "target",
 ]
-
-logger = logging.getLogger(__name__)
-
-PATCH_MARKER = "__elastic_kv_patch__"
 
 Version = tuple[int, int, int]
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
@@ -318,99 +304,6 @@ def check_installed(entry: VersionSupport) -> list[str]:
             if have[: len(target.params)] != target.params:
                 problems.append(f"{target}: parameters {have}, expected to start with {target.params}")
     return problems
-
-
-# --- patches ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Patch:
-    """Replace method ``attr`` of class ``target`` with ``wrap(original)``.
-
-    ``wrap`` receives the original *function* (unwrapped from ``staticmethod``/``classmethod``) and returns
-    the replacement function; the descriptor type of the original is kept.
-    """
-
-    name: str
-    target: Target
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-
-
-def _owner_and_attr(target: Target) -> tuple[Any, str]:
-    owner_path, _, attr = target.qualname.rpartition(".")
-    owner: Any = importlib.import_module(target.module)
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
-    return owner, attr
-
-
-def apply_patch(patch: Patch) -> bool:
-    """Install ``patch``; False (and nothing changed) when it is already installed.
-
-    Raises ConfigError when the target moved: a patch is never applied to something that does not look
-    like what it was written for.
-    """
-    problems = check_installed(VersionSupport((0, 0), (99, 0), "one_buffer", "", (patch.target,)))
-    if problems:
-        raise ConfigError(f"vllm-elastic-kv cannot patch {patch.target}: {'; '.join(problems)}")
-    owner, attr = _owner_and_attr(patch.target)
-    current = inspect.getattr_static(owner, attr)
-    func = current.__func__ if isinstance(current, (staticmethod, classmethod)) else current
-    if getattr(func, PATCH_MARKER, None) == patch.name:
-        return False
-    replacement = functools.wraps(func)(patch.wrap(func))
-    setattr(replacement, PATCH_MARKER, patch.name)
-    if isinstance(current, staticmethod):
-        setattr(owner, attr, staticmethod(replacement))
-    elif isinstance(current, classmethod):
-        setattr(owner, attr, classmethod(replacement))
-    else:
-        setattr(owner, attr, replacement)
-    logger.debug("patched %s (%s)", patch.target, patch.name)
-    return True
-
-
-def patched_symbols(targets: tuple[Target, ...] | None = None) -> list[str]:
-    """``"<target>: <patch name>"`` for every target (default: every target of every supported version)
-    that currently carries a patch marker of this plugin. Targets that do not import are skipped."""
-    if targets is None:
-        seen: dict[str, Target] = {}
-        for entry in SUPPORT:
-            for target in entry.targets:
-                seen.setdefault(str(target), target)
-        targets = tuple(seen.values())
-    found: list[str] = []
-    for target in targets:
-        if target.kind != "function":
-            continue
-        try:
-            obj = resolve(target)
-        except (ImportError, AttributeError):
-            continue
-        func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-        marker = getattr(func, PATCH_MARKER, None)
-        if marker is not None:
-            found.append(f"{target}: {marker}")
-    return found
-
-
-@contextlib.contextmanager
-def scoped_attribute(target: Target, value: Any) -> Iterator[None]:
-    """Rebind module-level name ``target`` to ``value`` for the duration of the block, then restore it.
-
-    Used while vLLM constructs one object (the scheduler's KV cache manager and block pool), so that vLLM's
-    own construction code builds our subclass; nothing outside the block sees the change. ConfigError when
-    the name is not there (the target moved).
-    """
-    if target.kind != "name" or "." in target.qualname:
-        raise ValueError(f"{target} is not a module-level name")
-    module = importlib.import_module(target.module)
-    if not hasattr(module, target.qualname):
-        raise ConfigError(f"vllm-elastic-kv: {target} is missing in this vLLM ({target.why})")
-    original = getattr(module, target.qualname)
-    setattr(module, target.qualname, value)
-    try:
-        yield
-    finally:
-        setattr(module, target.qualname, original)
 
 
 def target(module: str, qualname: str) -> Target:

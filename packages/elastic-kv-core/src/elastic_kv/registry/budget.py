@@ -1,9 +1,10 @@
 """The GPU-wide budget of one device, shared by every pool on it: :class:`DeviceBudget`.
 
-Each device has one file, ``<registry>/<device>.device`` (layout: ``registry_layout.DeviceLayout``): the
-operator's budget and a table with one charge per pool (slot). Invariant: while a budget is set, the sum
-of the charges never grows past it -- a charge is checked and made under an exclusive ``flock`` on this
-file, so charges of all processes are serialised.
+Each device has one file, ``<registry>/<device>.device`` (layout:
+:class:`~elastic_kv.registry.layout.DeviceLayout`): the operator's budget and a table with one charge
+per pool (slot). Invariant: while a budget is set, the sum of the charges never grows past it -- a charge
+is checked and made under an exclusive ``flock`` on this file, so charges of all processes are
+serialised.
 
 Why a file lock and not atomics in shared memory. Python cannot issue a compare-and-swap on a mapping
 without a compiled helper, and a lock-free scheme would still need two updates (the device total and the
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 from elastic_kv.errors import ConfigError, StateConsistencyError
-from elastic_kv.registry_fs import (
+from elastic_kv.registry.files import (
     ProcessIdentity,
     check_device_name,
     create_file,
@@ -38,7 +39,7 @@ from elastic_kv.registry_fs import (
     owner_is_dead,
     pid_namespace,
 )
-from elastic_kv.registry_layout import UNLIMITED, DeviceLayout, RecordLayout, SlotLayout
+from elastic_kv.registry.layout import UNLIMITED, DeviceLayout, RecordLayout, SlotLayout
 
 __all__ = ["DeviceBudget", "device_path"]
 

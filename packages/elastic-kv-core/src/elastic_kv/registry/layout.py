@@ -8,7 +8,7 @@ file instead of misreading it.
 
 What never changes between versions (so that any release can reclaim any other release's stale files):
 the file names (``<pool>.pool``, ``<device>.device``), the first 8 bytes (magic, version, size) and the
-liveness protocol in :mod:`elastic_kv.registry_fs` (the owner holds an exclusive ``flock`` on its record).
+liveness protocol in :mod:`elastic_kv.registry.files` (the owner holds an exclusive ``flock`` on its record).
 
 Field offsets are computed by a cursor with natural alignment, so adding a field means appending it and
 bumping the version; the offsets of existing fields never move within one version.

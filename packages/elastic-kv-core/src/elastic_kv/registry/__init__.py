@@ -1,0 +1,47 @@
+"""The shared-memory registry: every pool's record and every device's budget, visible to all processes
+of the user (engines, ``kvctl``, the Prometheus collector).
+
+* :class:`PoolRecord` (:mod:`.record`) -- one pool's record as its owner sees it: charge, poll for
+  ``kvctl`` changes, publish statistics; :func:`create_shares` (:mod:`.shares`) for a pool backed on
+  several devices.
+* :class:`DeviceBudget` (:mod:`.budget`) -- the GPU-wide budget of one device, shared by its pools.
+* :class:`Registry` (:mod:`.view`) -- the registry from any process: read pools and devices, set limits
+  and budgets, reclaim the records of dead owners.
+* :mod:`.layout` -- the binary, versioned file layouts; :mod:`.files` -- where the registry lives, how its
+  files are created and locked, how a dead owner is recognised.
+
+See ``docs/ARCHITECTURE.md`` (section "Limits, registry and observability") for the contract.
+"""
+
+from elastic_kv.registry.budget import DeviceBudget
+from elastic_kv.registry.files import RegistryConfig
+from elastic_kv.registry.layout import UNLIMITED
+from elastic_kv.registry.record import UNBOUNDED, PoolRecord, RecordEvents
+from elastic_kv.registry.shares import DeviceShare, create_shares
+from elastic_kv.registry.view import (
+    DeviceInfo,
+    LatencyHistogram,
+    PoolInfo,
+    Registry,
+    UnknownDeviceError,
+    UnknownPoolError,
+    reclaim_dead,
+)
+
+__all__ = [
+    "UNBOUNDED",
+    "UNLIMITED",
+    "DeviceBudget",
+    "DeviceInfo",
+    "DeviceShare",
+    "LatencyHistogram",
+    "PoolInfo",
+    "PoolRecord",
+    "RecordEvents",
+    "Registry",
+    "RegistryConfig",
+    "UnknownDeviceError",
+    "UnknownPoolError",
+    "create_shares",
+    "reclaim_dead",
+]
