@@ -104,7 +104,7 @@ def check_invariants(pool: Pool, issued: set[int] | None = None) -> None:
     if not inflight:
         assert led.charged_bytes == group.mapped_bytes, "charge != physical bytes backed"
     free_lists = [b for p in ledger_backed for b in led._book.page_free[p]]
-    assert len(free_lists) == len(set(free_lists)) == led._book.free_backed
+    assert len(free_lists) == len(set(free_lists)) == led._book.free_backed + led._book.withheld_free
     assert not (set(free_lists) & live)
     assert led.used_blocks == len(live) - (led.null_block is not None)
     assert led.available_size() >= 0

@@ -258,29 +258,36 @@ def test_available_size_follows_limit_and_cached_free_memory() -> None:
         pool.close()
 
 
-def test_lowering_the_limit_shrinks_as_blocks_drain() -> None:
+def test_lowering_the_limit_drains_the_pages_with_fewest_live_blocks() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4)
     pool = make_pool(config=cfg)
     try:
         led = pool.ledger
         pages = fill_pages(pool, 6)
         led.free(pages[5])  # page 5 -> reserve
+        led.free(pages[2][:3])  # page 2: 1 live block left
+        led.free(pages[4][:1])  # page 4: 3 live blocks left
         assert pool.group.num_mapped == 6
         led.resize(3 * PAGE_BYTES)
         snap = led.snapshot()
         assert snap.state is PoolState.SHRINKING and snap.reserve_pages == 0
         assert pool.group.mapped_pages() == [0, 1, 2, 3, 4]  # reserve returned now, live pages kept
-        assert led.available_size() == 0
-        led.free(pages[4][:2])
-        again = led.alloc(2)  # served from the backed page, no new page
-        assert again is not None
-        assert led.alloc(3) is None  # would need a new page beyond the limit
-        led.free(pages[4][2:] + again)  # page 4 empties: unmapped, not kept in the reserve
-        assert pool.group.mapped_pages() == [0, 1, 2, 3]
-        led.free(pages[3])
-        assert pool.group.mapped_pages() == [0, 1, 2]
-        assert led.snapshot().state is PoolState.ACTIVE
-        check_invariants(pool, {b for p in pages[:3] for b in p})
+        # 5 pages backed, 3 allowed: the two with the fewest live blocks drain (page 0 holds the null block)
+        assert led.draining_pages() == [2, 4] and snap.draining_pages == 2
+        # Their free blocks (3 on page 2, 1 on page 4) are never issued again, and nothing new is mapped.
+        assert led.available_size() == led.free_backed_blocks == 0
+        assert led.alloc(1) is None
+        check_invariants(
+            pool, {b for p in (pages[0], pages[1], pages[3]) for b in p} | {*pages[2][3:], *pages[4][1:]}
+        )
+        led.free(pages[2][3:])  # page 2 empties: unmapped at once (no defer_release)
+        assert pool.group.mapped_pages() == [0, 1, 3, 4]
+        assert led.snapshot().state is PoolState.SHRINKING
+        led.free(pages[4][1:])
+        assert pool.group.mapped_pages() == [0, 1, 3]
+        snap = led.snapshot()
+        assert snap.state is PoolState.ACTIVE and snap.draining_pages == 0 and led.draining_pages() == []
+        check_invariants(pool, {b for p in (pages[0], pages[1], pages[3]) for b in p})
         led.resize(0)  # no limit: grows at once
         assert led.alloc(12) is not None
         assert pool.group.num_mapped == 6

@@ -91,6 +91,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         assert len(got) == n == len(set(got))
         assert not (set(got) & self.live), "a block was issued twice"
+        assert not led.holds_draining(got), "a block was issued on a page being released"
         self.live |= set(got)
         self.allocations.append(got)
 

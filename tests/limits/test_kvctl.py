@@ -78,7 +78,7 @@ def test_limit_sizes_and_percentages(
     done = kvctl("limit", "llama", "2GiB")
     assert done.returncode == 0, done.stderr
     assert "limit 2.00 GiB (was 4.00 GiB)" in done.stdout
-    assert "shrinks as its blocks are freed" in done.stdout  # 3 GiB charged > 2 GiB
+    assert "the engine frees the pages to be released" in done.stdout  # 3 GiB charged > 2 GiB
     assert llama.send("poll")["limit_changed"]
     assert llama.send("poll")["limit"] == 2 * GiB
     # A percentage is of the device's size while no budget is set, then of the budget.

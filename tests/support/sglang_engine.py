@@ -214,8 +214,8 @@ def generate_under_lowered_limit(
 ) -> list[list[int]]:
     """Start ``prompts`` on ``engine``; once the batch holds more than two pages' worth of blocks of pool
     ``name``, lower that pool's limit (as ``kvctl limit`` does) to three pages. Returns the outputs after
-    checking that SGLang retracted requests instead of failing an allocation and that the pool came back
-    within the limit; the limit is lifted again in any case."""
+    checking that SGLang retracted requests instead of failing an allocation, that the pool counted them
+    (its snapshot's ``preemptions``) and came back within the limit; the limit is lifted again in any case."""
     engine.call("flush_cache")
     page_bytes = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0).page_bytes
     limit = 3 * page_bytes
@@ -234,6 +234,7 @@ def generate_under_lowered_limit(
         assert "Out of memory" not in log
         settled = settled_snapshot(registry_dir, name, lambda s: s.mapped_bytes <= limit)
         assert settled.mapped_bytes <= limit, f"the pool stayed over its limit of {limit} bytes: {settled}"
+        assert settled.preemptions > 0, "SGLang's retractions were not counted in the pool's snapshot"
     finally:
         Registry(registry_dir).set_limit(name, 0)
     outputs: list[list[int]] = result[0]

@@ -69,6 +69,11 @@ def test_instances_vllm_builds_carry_the_listed_members() -> None:
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
     compat.check_instance(pool, "vllm.v1.core.block_pool.BlockPool")
     compat.check_instance(pool.free_block_queue, "vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue")
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1), None)
+    compat.check_instance(request, "vllm.v1.request.Request")
 
 
 def test_an_instance_without_a_listed_member_is_refused_in_one_line() -> None:

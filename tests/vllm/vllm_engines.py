@@ -91,12 +91,25 @@ def max_tokens() -> list[int]:
     return [48, 16, 40, 8, 32, 64, 24, 12, 48, 20, 30, 64]
 
 
-def generate(llm: Any, token_prompts: list[list[int]] | None = None) -> list[list[int]]:
-    """Greedy tokens of ``llm`` for ``token_prompts`` (default :func:`prompts`), ignoring EOS."""
+def long_prompts() -> list[list[int]]:
+    """Long generations (:data:`LONG_MAX_TOKENS` tokens each): requests that keep running, and keep
+    growing, for as long as a test lowers and lifts a limit under them."""
+    rng = random.Random(1)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in (100, 140, 180, 220, 120, 160, 200, 240)]
+
+
+LONG_MAX_TOKENS = 400
+
+
+def generate(
+    llm: Any, token_prompts: list[list[int]] | None = None, lengths: list[int] | None = None
+) -> list[list[int]]:
+    """Greedy tokens of ``llm`` for ``token_prompts`` (default :func:`prompts`), ignoring EOS; ``lengths``:
+    tokens to generate per prompt, cycled (default :func:`max_tokens`)."""
     from vllm import SamplingParams
 
     token_prompts = token_prompts if token_prompts is not None else prompts()
-    lengths = max_tokens()
+    lengths = lengths or max_tokens()
     params = [
         SamplingParams(
             max_tokens=lengths[i % len(lengths)], temperature=0.0, ignore_eos=True, detokenize=False
@@ -108,10 +121,12 @@ def generate(llm: Any, token_prompts: list[list[int]] | None = None) -> list[lis
 
 
 # -- the native reference ---------------------------------------------------------------------------
-def _reference_key() -> str:
+def _reference_key(*extra: Any) -> str:
     import vllm
 
-    text = json.dumps([vllm.__version__, prompts(), max_tokens(), engine_kwargs(model="m")], sort_keys=True)
+    text = json.dumps(
+        [vllm.__version__, prompts(), max_tokens(), engine_kwargs(model="m"), *extra], sort_keys=True
+    )
     model = Path(tiny_model()) / "config.json"
     return hashlib.sha256((text + model.read_text()).encode()).hexdigest()[:16]
 
@@ -122,6 +137,18 @@ def reference_tokens() -> dict[str, list[list[int]]]:
     if cache.exists():
         return json.loads(cache.read_text())  # type: ignore[no-any-return]
     result = run_script("reference", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})
+    cache.write_text(json.dumps(result))
+    return result  # type: ignore[no-any-return]
+
+
+def long_reference_tokens() -> list[list[int]]:
+    """Pure vLLM's greedy tokens for :func:`long_prompts` (prefix caching on; cached like
+    :func:`reference_tokens`)."""
+    key = _reference_key(long_prompts(), LONG_MAX_TOKENS)
+    cache = REPO_ROOT / ".cache" / f"vllm-reference-long-{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())  # type: ignore[no-any-return]
+    result = run_script("reference-long", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})["tokens"]
     cache.write_text(json.dumps(result))
     return result  # type: ignore[no-any-return]
 
@@ -211,6 +238,15 @@ def _reference() -> dict[str, Any]:
     return results
 
 
+def _reference_long() -> dict[str, Any]:
+    from vllm import LLM
+
+    llm = LLM(**engine_kwargs(enable_prefix_caching=True))
+    tokens = generate(llm, long_prompts(), [LONG_MAX_TOKENS])
+    llm.llm_engine.engine_core.shutdown()
+    return {"tokens": tokens}
+
+
 def _installed_not_enabled() -> dict[str, Any]:
     """The plugin installed, not enabled, engine core and worker in this process: what ran?"""
     from vllm import LLM
@@ -285,6 +321,7 @@ def _arrivals() -> dict[str, Any]:
 
 _MODES = {
     "reference": _reference,
+    "reference-long": _reference_long,
     "installed-not-enabled": _installed_not_enabled,
     "arrivals": _arrivals,
 }

@@ -4,6 +4,7 @@
     kvctl limit POOL SIZE|PCT|unlimited [--wait SEC]
                                         a pool's physical limit (PCT of its device's budget, else its size);
                                         --wait: until the pool holds no more than that, and say how long
+                                        it took and how many requests the engine preempted meanwhile
     kvctl budget DEVICE [SIZE|PCT|unlimited] [--create]
                                         show or set a device's GPU-wide budget (PCT of its size); a device
                                         no pool has used yet needs --create (a misspelt name is refused)
@@ -184,28 +185,42 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
     )
     over = updated.limit_bytes != UNLIMITED and updated.charged_bytes > updated.limit_bytes
     if over and args.wait <= 0:
-        out.write("the pool holds more than that now: it stops growing and shrinks as its blocks are freed\n")
+        out.write(
+            "the pool holds more than that now: it stops growing, and the engine frees the pages to be "
+            "released (vLLM preempts the requests holding blocks on them)\n"
+        )
     if args.wait > 0 and over:
-        return _wait_under_limit(registry, updated, args.wait, out)
+        return _wait_under_limit(registry, pool, updated, args.wait, out)
     return 0
 
 
-def _wait_under_limit(registry: Registry, pool: PoolInfo, seconds: float, out: TextIO) -> int:
-    """``limit --wait``: poll the pool's charge until it is within its limit; report how long it took."""
+def _preemptions(pool: PoolInfo) -> int:
+    return pool.snapshot.preemptions if pool.snapshot is not None else 0
+
+
+def _wait_under_limit(
+    registry: Registry, before: PoolInfo, pool: PoolInfo, seconds: float, out: TextIO
+) -> int:
+    """``limit --wait``: poll until the pool is within its limit -- its charge fits and the engine has
+    published that it stopped shrinking -- and report how long it took and what it cost: the requests
+    the engine preempted meanwhile (``before``: the pool as it was before the limit changed)."""
     start = time.monotonic()
     while time.monotonic() - start < seconds:
         time.sleep(0.05)
         now = registry.pool(pool.name)
-        if now.charged_bytes <= now.limit_bytes or now.limit_bytes == UNLIMITED:
+        fits = now.charged_bytes <= now.limit_bytes or now.limit_bytes == UNLIMITED
+        if fits and (now.snapshot is None or now.snapshot.state != "shrinking"):
+            preempted = _preemptions(now) - _preemptions(before)
             out.write(
                 f"applied after {time.monotonic() - start:.2f} s: charged {format_bytes(pool.charged_bytes)} "
-                f"-> {format_bytes(now.charged_bytes)}\n"
+                f"-> {format_bytes(now.charged_bytes)}; {preempted} request(s) preempted\n"
             )
             return 0
     now = registry.pool(pool.name)
     out.write(
         f"not applied within {seconds:g} s: the pool still holds {format_bytes(now.charged_bytes)} "
-        f"(limit {_limit_text(now.limit_bytes)}); it keeps shrinking as its blocks are freed\n"
+        f"(limit {_limit_text(now.limit_bytes)}); {_preemptions(now) - _preemptions(before)} request(s) "
+        "preempted so far; it keeps releasing pages as their blocks are freed\n"
     )
     return EXIT_TIMEOUT
 

@@ -26,7 +26,7 @@ class PoolState(str, Enum):
     """Life-cycle state of a pool as readers see it."""
 
     ACTIVE = "active"  # issuing blocks within its limit
-    SHRINKING = "shrinking"  # the limit was lowered below what live blocks use; shrinks as they drain
+    SHRINKING = "shrinking"  # the limit was lowered below what the pool holds; its draining pages empty
     INCONSISTENT = "inconsistent"  # a rollback failed in the data plane; the pool refuses work
     CLOSED = "closed"  # the pool was torn down
 
@@ -56,6 +56,8 @@ class PoolSnapshot:
     reserve_misses: int  # new pages that had to be mapped synchronously on the allocating thread
     epoch: int  # current release epoch (see Ledger.advance_epoch)
     timestamp: float  # time.time() when the snapshot was taken
+    preemptions: int = 0  # requests the engine preempted (to recompute later) since the pool started
+    draining_pages: int = 0  # pages being released to meet the limit: none of their blocks is issued
 
     @property
     def reserve_hit_rate(self) -> float:
@@ -74,14 +76,16 @@ class PoolSnapshot:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolSnapshot:
         """Rebuild a snapshot from :meth:`as_dict` output (extra keys are ignored, so a newer writer
-        may add fields); ``ValueError`` on a foreign schema or a missing field."""
+        may add fields; counters an older writer lacks read as 0); ``ValueError`` on a foreign schema or
+        a missing field."""
         schema = data.get("schema", SNAPSHOT_SCHEMA)
         if schema != SNAPSHOT_SCHEMA:
             raise ValueError(f"unknown pool snapshot schema {schema!r} (this build reads {SNAPSHOT_SCHEMA})")
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name not in data:
+            if f.name in data:
+                kwargs[f.name] = data[f.name]
+            elif f.default is dataclasses.MISSING:
                 raise ValueError(f"pool snapshot lacks field {f.name!r}")
-            kwargs[f.name] = data[f.name]
         kwargs["state"] = PoolState(kwargs["state"])
         return cls(**kwargs)

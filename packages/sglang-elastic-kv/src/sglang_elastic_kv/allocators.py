@@ -114,6 +114,11 @@ class ElasticAllocatorMixin:
     _maintain_interval_s: float = 0.0
     _maintained_at: float = float("-inf")
 
+    def elastic_note_retracted(self, requests: int) -> None:
+        """SGLang retracted ``requests`` decode requests (their KV freed, to be recomputed): counted as
+        the pool's preemptions, which ``kvctl limit --wait`` reports."""
+        self._ledger.note_preempted(requests)
+
     def elastic_sleep(self) -> None:
         """The engine released its KV memory (``release_memory_occupation``) and is idle: unmap the
         ledger's reserve, release the physical handles the data plane caches for reuse, and stop idle

@@ -74,6 +74,8 @@ class Seams:
     scheduler_init: str
     # The builder of a Mamba / linear hybrid's request pool (its conv and SSM state pool).
     hybrid_req_pool_builder: str
+    # Decode retraction: the requests retracted are counted as the pool's preemptions.
+    retract_decode: str
 
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
@@ -90,6 +92,7 @@ class Seams:
             self.startup_guard,
             self.scheduler_init,
             self.hybrid_req_pool_builder,
+            self.retract_decode,
         )
 
 
@@ -114,6 +117,7 @@ SEAMS: tuple[Seams, ...] = (
         startup_guard=f"{_POOLS}.KVCache.__init__",
         scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
         hybrid_req_pool_builder=f"{_CONFIGURATOR}._build_hybrid_req_pool",
+        retract_decode="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
     ),
 )
 
@@ -132,6 +136,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
     "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
     "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": ("retract_decode", "token_to_kv_pool_allocator"),
     _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
     "sglang.srt.mem_cache.kv_cache_configurator": ("HybridReqToTokenPool",),
     _CONFIGURATOR: (

@@ -35,6 +35,8 @@
    default, and ``RadixCache`` alike): everything evictable while the pool is over its limit (``kvctl``
    lowered it below use: cached entries would otherwise keep their pages backed for good), else the excess
    over ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` when that bound is set.
+7. ``ScheduleBatch.retract_decode`` (AFTER): the requests SGLang retracted for want of memory are counted
+   in the pool's snapshot (``preemptions``), which ``kvctl limit --wait`` reports.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.resume_memory, resume_memory_after, hook_type.AFTER)
     release = functools.partial(release_kv_cache_after, config.max_cached_tokens)
     registry.register(seams.release_kv_cache, release, hook_type.AFTER)
+    registry.register(seams.retract_decode, retract_decode_after, hook_type.AFTER)
 
 
 def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:
@@ -287,3 +290,11 @@ def release_kv_cache_after(
     if excess > 0:
         tree_cache.evict(EvictParams(num_tokens=excess))
     return None
+
+
+def retract_decode_after(result: Any, batch: Any, *a: Any, **k: Any) -> None:
+    """After SGLang retracted decode requests: count them in the pool's snapshot (the requests it aborted
+    instead are not preempted, and not counted)."""
+    allocator: Any = getattr(batch, "token_to_kv_pool_allocator", None)
+    if result and result[0] and is_elastic_allocator(allocator):
+        allocator.elastic_note_retracted(len(result[0]))

@@ -116,6 +116,10 @@ class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
         """True while the pool holds more than its limit."""
         return bool(self.swa_attn_allocator.elastic_over_limit())
 
+    def elastic_note_retracted(self, requests: int) -> None:
+        """Count retracted requests in the pool's snapshot."""
+        self.swa_attn_allocator.elastic_note_retracted(requests)
+
     def elastic_sleep(self) -> None:
         """The pool released its KV memory (``release_memory_occupation``): unmap its reserve."""
         self.swa_attn_allocator.elastic_sleep()

@@ -305,6 +305,10 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """True while either pool holds more than its limit."""
         return self.full_attn_allocator.elastic_over_limit() or self.swa_attn_allocator.elastic_over_limit()
 
+    def elastic_note_retracted(self, requests: int) -> None:
+        """Count retracted requests once, in the full-attention pool's snapshot."""
+        self.full_attn_allocator.elastic_note_retracted(requests)
+
     def elastic_sleep(self) -> None:
         """Both pools released their KV memory (``release_memory_occupation``): unmap both reserves."""
         self.full_attn_allocator.elastic_sleep()

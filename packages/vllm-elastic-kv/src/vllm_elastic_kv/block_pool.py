@@ -29,7 +29,9 @@ exactly as with a full native pool -- before anything was changed.
 
 Trimming (:meth:`trim_cached`) returns memory held by the prefix cache: it evicts cached blocks only from
 pages whose every live block is a cached one, least recently used pages first, because evicting a cached
-block on a page that also holds a running request's block frees no memory.
+block on a page that also holds a running request's block frees no memory. While the ledger drains pages
+to meet a lowered limit, cached blocks on those pages are evicted as soon as no request holds them
+(:meth:`evict_draining`), so they are neither kept nor handed out again.
 """
 
 from __future__ import annotations
@@ -214,6 +216,8 @@ class ElasticBlockPool(BlockPool):
             and (b.block_hash is None or not self.enable_caching)
         )
         self._release(self.free_block_queue.popleft_n(uncached) if uncached else [])
+        if ledger.draining:
+            self.evict_draining(blocks)  # cached blocks on pages being released are not kept
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
         if blocks:
@@ -274,7 +278,41 @@ class ElasticBlockPool(BlockPool):
             for block in victims:
                 queue.remove(block)
             pages = len(chosen)
-        if not (idle and self._forget_all(victims)):
+        self._evict_dequeued(victims, forget_all=idle)
+        if pages:
+            logger.debug("trimmed %d cached pages (%d blocks)", pages, len(victims))
+        return pages
+
+    def evict_draining(self, blocks: Iterable[KVCacheBlock] | None = None) -> int:
+        """Evict the cached blocks no request holds that lie on pages the ledger is releasing (a lowered
+        limit: :mod:`vllm_elastic_kv.evacuate`), so that those pages can empty; among ``blocks`` (just
+        freed), or the whole queue. Returns the number of blocks evicted."""
+        ledger = self.ledger
+        if ledger is None or not ledger.draining:
+            return 0
+        queue = self.free_block_queue
+        bpp = ledger.geometry.blocks_per_page
+        candidates = queue.get_all_free_blocks() if blocks is None else blocks
+        victims = [
+            block
+            for block in candidates
+            if block.ref_cnt == 0
+            and not block.is_null
+            and getattr(block, "pool", self) in (self, None)
+            and _queued(block)
+            and ledger.is_draining(block.block_id // bpp)
+        ]
+        for block in victims:
+            queue.remove(block)
+        self._evict_dequeued(victims)
+        return len(victims)
+
+    def _evict_dequeued(self, victims: list[KVCacheBlock], forget_all: bool = False) -> None:
+        """Cached blocks just taken out of the queue: forget their cache entries (all at once with
+        ``forget_all``, see :meth:`_forget_all`), tell reuse watchers, return them to the ledger."""
+        if not victims:
+            return
+        if not (forget_all and self._forget_all(victims)):
             evict = self._maybe_evict_cached_block
             for block in victims:
                 evict(block)
@@ -282,9 +320,6 @@ class ElasticBlockPool(BlockPool):
         if watchers:
             self._notify_reuse([block for block in victims if block.block_id in watchers])
         self._release(victims)
-        if pages:
-            logger.debug("trimmed %d cached pages (%d blocks)", pages, len(victims))
-        return pages
 
     def _forget_all(self, blocks: list[KVCacheBlock]) -> bool:
         """Forget every prefix-cache entry at once, ``blocks`` being every block that has one (no request

@@ -1,7 +1,7 @@
 """Scheduler side: the ``--scheduler-cls`` subclasses the front end selects for the elastic backend.
 
 ``ElasticScheduler`` / ``ElasticAsyncScheduler`` are vLLM's ``Scheduler`` / ``AsyncScheduler`` (the front end
-picks the one matching ``async_scheduling``). They change four things:
+picks the one matching ``async_scheduling``). They change these things:
 
 * construction: while vLLM's ``Scheduler.__init__`` runs, the names ``KVCacheManager`` (in vLLM's scheduler
   module) and ``BlockPool`` (in vLLM's coordinator module) are bound to the elastic subclasses, so vLLM's own
@@ -9,10 +9,13 @@ picks the one matching ``async_scheduling``). They change four things:
   restored when construction ends). Then the pool is connected to the ledger and the workers
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
 * ``add_request``: the pool starts mapping what the new request's prompt needs, in the background;
-* ``schedule``: while vLLM schedules the step, the pool counts only the blocks it holds (the running
-  requests' fast path); after it, the step's release epoch starts and the pool does its housekeeping
-  (reserve, ``kvctl`` limit; a decode step refills the reserve only below what decode steps take, see
-  :mod:`elastic_kv.reserve`);
+* ``schedule``: first, while the pool is over a lowered limit, the requests holding blocks on the pages
+  it releases are preempted (:mod:`vllm_elastic_kv.evacuate`); while vLLM schedules the step, the pool
+  counts only the blocks it holds (the running requests' fast path); after it, the step's release epoch
+  starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a decode step refills the reserve
+  only below what decode steps take, see :mod:`elastic_kv.reserve`);
+* ``_preempt_request``: every preemption (vLLM's own, or the limit's) is counted in the pool's record,
+  where ``kvctl limit --wait`` reads what a limit cost;
 * ``update_from_output``: pages emptied while that step could still read them are released now; when no
   request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
   block's page.
@@ -23,6 +26,7 @@ While the engine is idle, ``kvctl`` changes (trim, limit, budget) are applied by
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -33,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.evacuate import drain_order, vacate_draining_pages
 from vllm_elastic_kv.features import check_model, describe_groups
 from vllm_elastic_kv.idle import IdleControl, constructing_engine_core
 from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
@@ -82,6 +87,7 @@ class ElasticSchedulerMixin:
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
         self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+        self.elastic_pool.ledger.drain_order = functools.partial(drain_order, self)
         # kvctl's changes reach an idle engine too (its loop blocks until a request arrives otherwise).
         self.elastic_pool.idle_control = IdleControl.for_engine(
             constructing_engine_core(),
@@ -97,7 +103,10 @@ class ElasticSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, counting only the blocks the pool holds for its running requests (see
-        :mod:`vllm_elastic_kv.kv_cache_manager`); the returned step carries its release epoch."""
+        :mod:`vllm_elastic_kv.kv_cache_manager`), after vacating the pages a lowered limit releases; the
+        returned step carries its release epoch."""
+        if self.elastic_pool.ledger.draining:
+            vacate_draining_pages(self)
         with self.elastic_pool.block_pool.counting(backed_only=True):
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         # A decode step (one token per scheduled request) leaves the GPU bound by memory bandwidth.
@@ -105,6 +114,11 @@ class ElasticSchedulerMixin:
         light = 0 < tokens == len(output.num_scheduled_tokens)
         setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched(light))
         return output
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        """vLLM's ``_preempt_request``, counted in the pool's snapshot."""
+        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        self.elastic_pool.ledger.note_preempted()
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's ``update_from_output``; then pages the finished step could read may be released."""

@@ -306,9 +306,10 @@ class SchedulerPool:
         if not self.epochs.quiesce():
             return  # a step is in flight: its completion and the next steps apply the change
         self.ledger.settle()
+        self.ledger.maintain()  # reads the change
         if self.over_limit():
             self.block_pool.trim_cached()
-        self.ledger.maintain()
+            self.epochs.quiesce()  # no step in flight: the emptied pages are released now
         self.ledger.publish()
 
     def over_limit(self) -> bool:

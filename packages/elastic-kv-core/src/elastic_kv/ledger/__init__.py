@@ -11,6 +11,18 @@ Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNM
     USED --last block freed--> RESERVE (room under the cap)   | PENDING (defer_release) | UNMAPPED
     PENDING --release_through(epoch)--> RESERVE | UNMAPPED;   PENDING --alloc--> USED (reuse is safe:
     only *unmapping* must wait for the GPU, reusing a backed page never does)
+    USED (draining) --last block freed--> WITHHELD (defer_release) | UNMAPPED
+    WITHHELD --release_through(epoch)--> UNMAPPED
+
+Limits: when the limit drops below what the pool holds, the reserve is unmapped at once and the ledger
+chooses pages in use to *drain* (:meth:`Ledger.draining_pages`, :mod:`.drain`): enough of them that
+releasing them gets the pool under the limit, in the engine's order of preference
+(:attr:`Ledger.drain_order`: the fewest requests to preempt), else fewest live blocks first. A draining
+page issues no block again, so the blocks freed on it -- by requests finishing, or by the engine
+preempting (vLLM) or retracting (SGLang) the requests that hold them -- are not handed to other
+requests, and the page is unmapped once empty. The pool is ``SHRINKING`` until its charge fits; the
+first snapshot published after that says so, and a limit lifted or raised above the charge ends the
+drain at once.
 
 Allocation is page-affine so that few pages stay backed: a request is served first from pages that are
 already backed and partly used (the smallest one that holds the whole run, else the one with the most
@@ -21,8 +33,10 @@ taking a fresh page while a partial one has room would leave two pages half full
 Modules: :class:`Ledger` (:mod:`.ledger`, the policy) holds one
 :class:`~elastic_kv.ledger.page_book.PageBook` (:mod:`.page_book`: free blocks per page, page states,
 O(1) best fit), one :class:`~elastic_kv.ledger.page_backing.PageBacking` (:mod:`.page_backing`: charging
-the record and mapping, unmapping, background maps, what a data-plane failure means) and one
-:class:`~elastic_kv.ledger.guard.PoolGuard` (:mod:`.guard`: owner thread, open/closed/inconsistent). The
+the record and mapping, unmapping, background maps, what a data-plane failure means), one
+:class:`~elastic_kv.ledger.release.PageRelease` (:mod:`.release`: what happens to pages that empty), one
+:class:`~elastic_kv.ledger.drain.Drain` (:mod:`.drain`: the pages released to meet a lowered limit) and
+one :class:`~elastic_kv.ledger.guard.PoolGuard` (:mod:`.guard`: owner thread, open/closed/inconsistent). The
 physical accounting (limit, shared record, cached headroom) is :mod:`elastic_kv.physical`; the reserve's
 sizing :mod:`elastic_kv.reserve`.
 

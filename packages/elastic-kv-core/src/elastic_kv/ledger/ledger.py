@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
@@ -11,9 +10,11 @@ from typing import TYPE_CHECKING
 
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
+from elastic_kv.ledger.drain import Drain
 from elastic_kv.ledger.guard import PoolGuard
 from elastic_kv.ledger.page_backing import PageBacking
 from elastic_kv.ledger.page_book import PageBook
+from elastic_kv.ledger.release import PageRelease
 from elastic_kv.ledger.stats import pool_snapshot
 from elastic_kv.mapper import PageMapper
 from elastic_kv.physical import PhysicalAccount
@@ -25,15 +26,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Ledger"]
 
-logger = logging.getLogger("elastic_kv.ledger")
-
 
 class Ledger:
     """Block ids for one engine KV pool, backed page by page (see :mod:`elastic_kv.ledger`).
 
     It holds the pool's :class:`~elastic_kv.ledger.page_book.PageBook` (free blocks per page, page
     states), its :class:`~elastic_kv.ledger.page_backing.PageBacking` (the data plane and the shared
-    record), its :class:`~elastic_kv.ledger.guard.PoolGuard` (owner thread, health) and the policy:
+    record), its :class:`~elastic_kv.ledger.guard.PoolGuard` (owner thread, health), its
+    :class:`~elastic_kv.ledger.drain.Drain` (the pages released to meet a lowered limit) and the policy:
     which pages to take, when to map, unmap, defer or refill.
 
     Args:
@@ -99,6 +99,8 @@ class Ledger:
             self._book.take_unmapped(page)
             self._backing.map_now([page])
             self._book.hold_null(null_block)
+        self._drain = Drain(self._book, self._phys, self._backing, name, null_block, self._snapshot)
+        self._release = PageRelease(self._book, self._backing, self._phys, cfg, self._drain)
         self._phys.refresh(force=True)
 
     # -- queries ----------------------------------------------------------------------------------------
@@ -131,8 +133,46 @@ class Ledger:
 
     def over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl limit`` lowered it below what is backed):
-        it is shrinking, and memory comes back only as blocks are freed."""
+        it is shrinking. Its draining pages (:meth:`draining_pages`) issue no block, and memory comes back
+        as the blocks on them are freed."""
         return self._phys.over_limit()
+
+    # -- the drain (.drain): what engines read and report while the pool shrinks ------------------------
+
+    @property
+    def draining(self) -> bool:
+        """Whether any page is draining (O(1): engines check it every step)."""
+        return self._book.drain_count > 0
+
+    def is_draining(self, page: int) -> bool:
+        """Whether ``page`` is being released to meet a lowered limit (no block on it is issued)."""
+        return bool(self._book.drain[page])
+
+    def draining_pages(self) -> list[int]:
+        """Draining pages that still hold live blocks, ascending: the engine frees them (preempts, evicts)."""
+        return self._drain.draining_pages()
+
+    def holds_draining(self, blocks: Iterable[int]) -> bool:
+        """Whether any of ``blocks`` (issued ids) lies on a draining page."""
+        return self._drain.holds_draining(blocks)
+
+    @property
+    def drain_order(self) -> Callable[[list[int]], list[int]] | None:
+        """The engine's order of preference among pages to drain (:attr:`.drain.Drain.order`)."""
+        return self._drain.order
+
+    @drain_order.setter
+    def drain_order(self, order: Callable[[list[int]], list[int]] | None) -> None:
+        self._drain.order = order
+
+    @property
+    def preemptions(self) -> int:
+        """Requests the engine preempted since the pool started (:meth:`note_preempted`)."""
+        return self._drain.preemptions
+
+    def note_preempted(self, requests: int = 1) -> None:
+        """The engine preempted ``requests`` requests: counted in the snapshot (``kvctl limit --wait``)."""
+        self._drain.preemptions += requests
 
     @property
     def free_backed_blocks(self) -> int:
@@ -165,7 +205,7 @@ class Ledger:
         )
 
     def page_state(self, page: int) -> str:
-        """``"unmapped" | "used" | "reserve" | "pending" | "inflight"`` (for tests and diagnostics)."""
+        """``"unmapped" | "used" | "reserve" | "pending" | "inflight" | "withheld"`` (for diagnostics)."""
         return self._book.page_state(page)
 
     def is_live(self, block: int) -> bool:
@@ -177,7 +217,7 @@ class Ledger:
         return self._book.live_blocks_on(page)
 
     def mapped_pages(self) -> list[int]:
-        """Pages the ledger holds backed (used, reserve, pending), ascending."""
+        """Pages the ledger holds backed (used, reserve, pending, withheld), ascending."""
         return self._book.mapped_pages()
 
     def check_invariants(self) -> None:
@@ -262,27 +302,7 @@ class Ledger:
         self._book.check_free(blocks)
         emptied = self._book.return_blocks(blocks)
         if emptied:
-            self._retire(emptied)
-
-    def _retire(self, pages: list[int]) -> None:
-        """Pages just emptied: defer behind the epoch, keep in the reserve, or unmap."""
-        if self._cfg.defer_release:
-            self._book.defer(pages, self._epoch)
-        else:
-            self._release_empty(pages)
-
-    def _release_empty(self, pages: list[int]) -> None:
-        """Empty backed pages that may be unmapped now: to the reserve while it is under its cap and the
-        pool is within its limit, the rest unmapped in one data-plane transaction."""
-        unmap: list[int] = []
-        cap = self._cfg.reserve_max_pages
-        for p in pages:
-            if len(self._book.reserve) < cap and not self._phys.over_limit():
-                self._book.keep_in_reserve([p])
-            else:
-                unmap.append(p)
-        if unmap:
-            self._backing.unmap_now(unmap)
+            self._release.retire(emptied, self._epoch)
 
     # -- epochs -----------------------------------------------------------------------------------------
 
@@ -297,13 +317,11 @@ class Ledger:
 
     def release_through(self, epoch: int) -> int:
         """The engine's GPU work launched up to ``epoch`` has finished: pages emptied in epochs <= ``epoch``
-        may be unmapped now (or kept in the reserve). Returns how many pages left the pending state."""
+        may be unmapped now (or kept in the reserve; draining pages are unmapped). Returns how many pages
+        left the pending or withheld state."""
         if get_ident() != self._guard.owner:
             self._guard.refuse()
-        ready = self._book.pop_released(epoch)
-        if ready:
-            self._release_empty(ready)
-        return len(ready)
+        return self._release.release_through(epoch)
 
     # -- background pre-mapping -------------------------------------------------------------------------
 
@@ -327,11 +345,12 @@ class Ledger:
         trimmed = False
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
-                self._apply_limit(self._phys.record_limit())
+                self._drain.apply_limit(self._phys.record_limit())
             if events.trim_requested:
-                self._trim_reserve(0)
+                self._backing.unmap_reserve(0)
                 trimmed = True  # returned now: not refilled by this call (the next steps' demand may)
         self._phys.refresh(force=events is not None and events.limit_changed)
+        self._drain.follow(publish=False)
         over = self._phys.over_limit()
         if not over:
             self._policy.end_interval(light)
@@ -342,16 +361,17 @@ class Ledger:
         ceiling = self._cfg.reserve_max_pages if self._light else target
         book = self._book
         if len(book.reserve) > ceiling:
-            self._trim_reserve(ceiling)
+            self._backing.unmap_reserve(ceiling)
         if not trimmed and self._cfg.premap and len(book.reserve) + book.inflight_pages < target:
             if self._async:
                 self._backing.refill_async(target - len(book.reserve) - book.inflight_pages)
             else:
                 self._backing.refill_sync(target - len(book.reserve))
-        if events is not None and (events.trim_requested or events.limit_changed):
-            self._phys.publish_now(self._snapshot())  # kvctl waits for the pool's answer
+        answer = events is not None and (events.trim_requested or events.limit_changed)
+        if answer or over != self._drain.shown_over:
+            self._phys.publish_now(self._drain.published())  # kvctl waits for the pool's answer
         else:
-            self._phys.publish(self._snapshot)
+            self._phys.publish(self._drain.published)
 
     def _reserve_goal(self) -> int:
         """Pages the reserve aims at: the policy's target, or its light target after a light step."""
@@ -386,20 +406,14 @@ class Ledger:
         want = min(pages - book.inflight_pages, room)
         if want <= 0:
             return 0
-        before = book.inflight_pages
-        for _ in range(want):
-            queued = book.inflight_pages
-            self._backing.refill_async(1)
-            if book.inflight_pages == queued:
-                break  # no headroom left
-        return book.inflight_pages - before
+        return self._backing.queue_each(want)
 
     def _take_in(self, wait: bool = False, jobs: int = 0) -> None:
         """Collect finished background maps (:meth:`PageBacking.collect`); if the limit was lowered while
         they were in flight, the pages that landed go straight back."""
         self._backing.collect(wait, jobs)
         if self._phys.over_limit():
-            self._trim_reserve(0)
+            self._backing.unmap_reserve(0)
 
     def settle(self) -> None:
         """Wait for every background map queued so far and take it in (its pages join the reserve).
@@ -414,21 +428,15 @@ class Ledger:
     # -- limits -----------------------------------------------------------------------------------------
 
     def resize(self, limit_bytes: int) -> None:
-        """Follow a new physical limit (0 = none). Raising it lets the pool grow at once. Lowering it stops
-        new pages beyond the limit, unmaps reserve pages now, unmaps pages as they empty, and completes as
-        live blocks drain; a page with live blocks is never unmapped. ``ValueError`` if negative."""
+        """Follow a new physical limit (0 = none). Raising it lets the pool grow at once (and ends a drain).
+        Lowering it stops new pages beyond the limit, unmaps reserve pages now, chooses pages in use to
+        drain (:mod:`elastic_kv.ledger.drain`), unmaps pages as they empty, and completes as live blocks
+        drain; a page with live blocks is never unmapped. ``ValueError`` if negative."""
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes={limit_bytes} must be >= 0 (0 = no limit)")
         if get_ident() != self._guard.owner:
             self._guard.refuse()
-        self._apply_limit(limit_bytes)
-
-    def _apply_limit(self, limit_bytes: int) -> None:
-        self._phys.limit = limit_bytes
-        if self._phys.over_limit():
-            self._trim_reserve(0)
-            phys = self._phys
-            logger.info("pool %s shrinking: %d bytes backed, limit %d", self._name, phys.charged, phys.limit)
+        self._drain.apply_limit(limit_bytes)
 
     def trim(self, keep: int = 0) -> int:
         """Unmap reserve pages now, all but the ``keep`` most recently added; returns how many were
@@ -437,15 +445,7 @@ class Ledger:
             raise ValueError(f"keep={keep} must be >= 0")
         if get_ident() != self._guard.owner:
             self._guard.refuse()
-        return self._trim_reserve(keep)
-
-    def _trim_reserve(self, keep: int) -> int:
-        excess = len(self._book.reserve) - keep
-        if excess <= 0:
-            return 0
-        pages = self._book.take_oldest_reserve(excess)
-        self._backing.unmap_now(pages)
-        return len(pages)
+        return self._backing.unmap_reserve(keep)
 
     def clear(self) -> None:
         """Free every live block but the null block (engine reset), then unmap the reserve. With
@@ -455,8 +455,8 @@ class Ledger:
         live = self._book.issued_blocks()
         emptied = self._book.return_blocks(live) if live else []
         if emptied:
-            self._retire(emptied)
-        self._trim_reserve(0)
+            self._release.retire(emptied, self._epoch)
+        self._backing.unmap_reserve(0)
 
     def close(self) -> None:
         """Unmap every page (the null block's too) and return the charge. The pool is unusable after;
@@ -483,7 +483,7 @@ class Ledger:
         """Publish the pool's statistics to its records now (``kvctl``), outside :meth:`maintain`'s
         schedule; nothing without a record. Any thread, like :meth:`snapshot`."""
         if self._phys.shares:
-            self._phys.publish_now(self._snapshot())
+            self._phys.publish_now(self._drain.published())
 
     def _snapshot(self) -> PoolSnapshot:
         return pool_snapshot(
@@ -495,4 +495,5 @@ class Ledger:
             hits=self._hits,
             misses=self._misses,
             epoch=self._epoch,
+            preemptions=self._drain.preemptions,
         )

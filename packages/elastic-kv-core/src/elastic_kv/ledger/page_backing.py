@@ -89,11 +89,22 @@ class PageBacking:
             logger.warning(
                 "pool %s: unmap of pages %s failed, keeping them backed: %s", self._name, pages, exc
             )
+            for p in pages:
+                self._book.cancel_drain(p)
             self._book.keep_in_reserve(pages)
             return
         self._phys.observe("unmap", time.perf_counter() - start)
         self._book.unback(pages)
         self._phys.uncharge(nbytes)
+
+    def unmap_reserve(self, keep: int) -> int:
+        """Unmap the reserve's oldest pages, all but the ``keep`` most recently added; returns how many."""
+        excess = len(self._book.reserve) - keep
+        if excess <= 0:
+            return 0
+        pages = self._book.take_oldest_reserve(excess)
+        self.unmap_now(pages)
+        return len(pages)
 
     # -- background -------------------------------------------------------------------------------------
 
@@ -120,6 +131,17 @@ class PageBacking:
             if pages:
                 self.undo_inflight(pages)
             raise
+
+    def queue_each(self, want: int) -> int:
+        """Queue up to ``want`` pages, one background job each (so that an allocation waits only for the
+        pages it needs), while the headroom lasts; returns how many were queued."""
+        before = self._book.inflight_pages
+        for _ in range(want):
+            queued = self._book.inflight_pages
+            self.refill_async(1)
+            if self._book.inflight_pages == queued:
+                break  # no headroom left
+        return self._book.inflight_pages - before
 
     def refill_sync(self, want: int) -> None:
         """Map up to ``want`` reserve pages on this thread (mappers without a background thread)."""

@@ -13,7 +13,11 @@ invariants, checked by the tests after every step of a random walk:
 * a page in use with ``k`` free blocks (0 < k) is in ``buckets[k]`` and bit ``k`` of ``mask`` is set,
   and a page is in no bucket otherwise; ``page_bucket[p]`` says which;
 * every page is in exactly one of: in use (``USED``), ``reserve`` (backed, empty),
-  ``pending_epoch`` (backed, empty, waiting for its epoch), ``unmapped`` (a stack), in flight.
+  ``pending_epoch`` (backed, empty, waiting for its epoch), ``withheld_epoch`` (``WITHHELD``: backed,
+  empty, draining, waiting for its epoch to be unmapped), ``unmapped`` (a stack), in flight;
+* a **draining** page (``drain[p]``, a ``USED`` or ``WITHHELD`` page the ledger is releasing to get under
+  a lowered limit, :mod:`elastic_kv.ledger.drain`) issues no block: it is in no bucket, and its free
+  blocks are counted in ``withheld_free`` instead of ``free_backed``, so no allocation path sees them.
 
 Data structures (chosen for the per-block cost on the engine's scheduling thread):
 
@@ -30,15 +34,15 @@ Data structures (chosen for the per-block cost on the engine's scheduling thread
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from elastic_kv.geometry import BlockGeometry
 
-__all__ = ["INFLIGHT", "PENDING", "RESERVE", "UNMAPPED", "USED", "PageBook"]
+__all__ = ["INFLIGHT", "PENDING", "RESERVE", "UNMAPPED", "USED", "WITHHELD", "PageBook"]
 
 # Page states (one byte per page in PageBook.state).
-UNMAPPED, USED, RESERVE, PENDING, INFLIGHT = 0, 1, 2, 3, 4
-_STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight")
+UNMAPPED, USED, RESERVE, PENDING, INFLIGHT, WITHHELD = 0, 1, 2, 3, 4, 5
+_STATE_NAMES = ("unmapped", "used", "reserve", "pending", "inflight", "withheld")
 
 
 class PageBook:
@@ -60,13 +64,18 @@ class PageBook:
         self.pending_epoch: dict[int, int] = {}  # PENDING page -> epoch it emptied in
         self.unmapped = list(range(npages - 1, -1, -1))  # a stack: lowest page ids are mapped first
         self.inflight: dict[int, list[int]] = {}  # map_async job id -> its pages
+        self.drain = bytearray(npages)  # 1: the page is being released; none of its blocks is issued
+        self.drain_count = 0  # pages flagged in drain
+        self.withheld_epoch: dict[int, int] = {}  # WITHHELD page -> epoch it emptied in
 
-        self.free_backed = 0  # free blocks on USED/RESERVE/PENDING pages
+        self.free_backed = 0  # free blocks on USED/RESERVE/PENDING pages that are not draining
+        self.withheld_free = 0  # free blocks on draining pages: never issued
         self.unmapped_blocks = nb
         self.inflight_pages = 0
 
     def page_state(self, page: int) -> str:
-        """``"unmapped" | "used" | "reserve" | "pending" | "inflight"`` (for tests and diagnostics)."""
+        """``"unmapped" | "used" | "reserve" | "pending" | "inflight" | "withheld"`` (for tests and
+        diagnostics)."""
         return _STATE_NAMES[self.state[page]]
 
     def is_live(self, block: int) -> bool:
@@ -80,9 +89,9 @@ class PageBook:
         return self.cap(page) - len(self.page_free[page])
 
     def mapped_pages(self) -> list[int]:
-        """Pages the ledger holds backed (used, reserve, pending), ascending."""
+        """Pages the ledger holds backed (used, reserve, pending, withheld), ascending."""
         st = self.state
-        return [p for p in range(self.npages) if st[p] in (USED, RESERVE, PENDING)]
+        return [p for p in range(self.npages) if st[p] in (USED, RESERVE, PENDING, WITHHELD)]
 
     def take_fit(self, n: int) -> list[int] | None:
         """``n >= 1`` blocks from the one partly used page that holds them all -- the smallest such page
@@ -197,14 +206,18 @@ class PageBook:
 
     def return_blocks(self, blocks: list[int]) -> list[int]:
         """Mark valid, distinct live ``blocks`` free and re-file their pages; returns the pages that became
-        empty (still backed: the caller decides their fate)."""
+        empty (still backed: the caller decides their fate), draining ones included. Blocks freed on a
+        draining page are withheld: not counted free, their page stays out of the buckets."""
         live, bpp, page_free = self.live, self.bpp, self.page_free
         for b in blocks:
             live[b] = 0
             page_free[b // bpp].append(b)
         n = len(blocks)
         self.free_backed += n
-        pages = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
+        pages: Iterable[int] = (blocks[0] // bpp,) if n == 1 else {b // bpp for b in blocks}
+        drained: list[int] = []
+        if self.drain_count:
+            pages, drained = self._return_to_draining(blocks, pages)
         buckets, page_bucket, mask = self.buckets, self.page_bucket, self.mask
         last, emptied = self.npages - 1, []
         for p in pages:
@@ -223,7 +236,56 @@ class PageBook:
                 buckets[free][p] = None
                 mask |= 1 << free
         self.mask = mask
-        return emptied
+        return emptied + drained if drained else emptied
+
+    def _return_to_draining(self, blocks: list[int], pages: Iterable[int]) -> tuple[list[int], list[int]]:
+        """Withhold the blocks of ``blocks`` on draining pages; returns the other pages (for the usual
+        filing) and the draining pages that emptied."""
+        drain, bpp = self.drain, self.bpp
+        held = sum(1 for b in blocks if drain[b // bpp])
+        self.free_backed -= held
+        self.withheld_free += held
+        rest: list[int] = []
+        drained: list[int] = []
+        for p in pages:
+            if not drain[p]:
+                rest.append(p)
+            elif len(self.page_free[p]) == self.cap(p):
+                drained.append(p)
+        return rest, drained
+
+    def withhold(self, page: int) -> None:
+        """Start draining a ``USED`` page: its free blocks are withheld and it leaves the buckets."""
+        self.unbucket(page)
+        n = len(self.page_free[page])
+        self.free_backed -= n
+        self.withheld_free += n
+        self.drain[page] = 1
+        self.drain_count += 1
+
+    def unwithhold(self, page: int) -> None:
+        """Stop draining ``page``: its free blocks can be issued again; a ``WITHHELD`` page becomes an
+        ordinary pending one (same epoch, so its queue entry stays valid)."""
+        if not self.drain[page]:
+            return
+        self.drain[page] = 0
+        self.drain_count -= 1
+        n = len(self.page_free[page])
+        self.withheld_free -= n
+        self.free_backed += n
+        epoch = self.withheld_epoch.pop(page, None)
+        if epoch is not None:
+            self.state[page] = PENDING
+            self.pending_epoch[page] = epoch
+        elif self.state[page] == USED and n:
+            self.rebucket(page)
+
+    def cancel_drain(self, page: int) -> None:
+        """``page`` leaves the drain because it is being unmapped (or kept backed after an unmap failed):
+        its blocks count as free again, its state is the caller's to set."""
+        if self.drain[page]:
+            self.withheld_epoch.pop(page, None)
+            self.unwithhold(page)
 
     def cap(self, page: int) -> int:
         return self._last_cap if page == self.npages - 1 else self.bpp
@@ -235,7 +297,7 @@ class PageBook:
         """Live blocks, the null block included: every block not free on a backed, in-flight or unmapped
         page (derived, so that alloc and free update one counter, not two)."""
         inflight = sum(len(self.geo.blocks_of(p)) for pages in self.inflight.values() for p in pages)
-        return self.nb - self.free_backed - self.unmapped_blocks - inflight
+        return self.nb - self.free_backed - self.withheld_free - self.unmapped_blocks - inflight
 
     def pop_unmapped(self) -> int:
         page = self.unmapped.pop()
@@ -288,16 +350,27 @@ class PageBook:
             self.pending_epoch[p] = epoch
             self.pending.append((epoch, p))
 
-    def pop_released(self, epoch: int) -> list[int]:
-        """The pending pages emptied in epochs <= ``epoch``, no longer pending (still backed, empty)."""
+    def withhold_emptied(self, pages: list[int], epoch: int) -> None:
+        """Emptied draining pages wait for ``epoch``'s release before they are unmapped (never reused)."""
+        for p in pages:
+            self.state[p] = WITHHELD
+            self.withheld_epoch[p] = epoch
+            self.pending.append((epoch, p))
+
+    def pop_released(self, epoch: int) -> tuple[list[int], list[int]]:
+        """The pending pages and the withheld (draining) pages emptied in epochs <= ``epoch``, no longer
+        waiting (still backed, empty; a withheld page still draining)."""
         ready: list[int] = []
-        pending, pending_epoch = self.pending, self.pending_epoch
+        drained: list[int] = []
+        pending, pending_epoch, withheld = self.pending, self.pending_epoch, self.withheld_epoch
         while pending and pending[0][0] <= epoch:
             e, p = pending.popleft()
             if pending_epoch.get(p) == e:  # else: reused since, or emptied again later
                 del pending_epoch[p]
                 ready.append(p)
-        return ready
+            elif withheld.get(p) == e:
+                drained.append(p)
+        return ready, drained
 
     def keep_in_reserve(self, pages: list[int]) -> None:
         """Empty backed pages join the reserve."""
@@ -346,6 +419,7 @@ class PageBook:
     def unback(self, pages: list[int]) -> None:
         """Pages the data plane just released: their blocks leave the free count, the pages the buckets."""
         for p in pages:
+            self.cancel_drain(p)
             self.unbucket(p)
             self.free_backed -= len(self.page_free[p])
             self.page_free[p] = []
@@ -360,12 +434,15 @@ class PageBook:
         inflight = {p for pages in self.inflight.values() for p in pages}
         assert len(inflight) == self.inflight_pages, "in-flight page count"
         on_lists: set[int] = set()
-        unmapped_blocks = 0
+        unmapped_blocks = withheld = 0
+        drain = self.drain
         for p in range(self.npages):
             blocks = self.geo.blocks_of(p)
             st = state[p]
             assert self.cap(p) == len(blocks), f"page {p}: capacity"
             assert self.live_blocks_on(p) == sum(1 for b in blocks if live[b]), f"page {p}: live count"
+            assert not drain[p] or st in (USED, WITHHELD), f"{_STATE_NAMES[st]} page {p} is draining"
+            assert (st == WITHHELD) == (p in self.withheld_epoch), f"page {p}: withheld state"
             if st in (UNMAPPED, INFLIGHT):
                 assert not free_lists[p], f"page {p} ({_STATE_NAMES[st]}) has a free list"
                 assert not any(live[b] for b in blocks), f"live block on {_STATE_NAMES[st]} page {p}"
@@ -377,9 +454,15 @@ class PageBook:
                 f"page {p}: free list holds a live, foreign or repeated block"
             )
             assert len(free) + sum(1 for b in blocks if live[b]) == len(blocks), f"page {p}: blocks lost"
-            on_lists.update(free)
+            if drain[p]:
+                withheld += len(free)
+            else:
+                on_lists.update(free)
             empty = len(free) == len(blocks)
-            if st == USED:
+            if st == USED and drain[p]:
+                assert not empty, f"draining page {p} in use without live blocks"
+                assert self.page_bucket[p] == 0, f"draining page {p} is in a bucket"
+            elif st == USED:
                 assert not empty, f"page {p} in use without live blocks"
                 k = len(free)
                 assert self.page_bucket[p] == k and (k == 0 or p in self.buckets[k]), f"page {p}: bucket"
@@ -387,6 +470,8 @@ class PageBook:
                 assert empty, f"{_STATE_NAMES[st]} page {p} has live blocks"
                 assert self.page_bucket[p] == 0, f"{_STATE_NAMES[st]} page {p} is in a bucket"
         assert len(on_lists) == self.free_backed, "free block count"
+        assert withheld == self.withheld_free, "withheld block count"
+        assert sum(drain) == self.drain_count, "draining page count"
         assert unmapped_blocks == self.unmapped_blocks, "unmapped block count"
         assert sorted(self.unmapped) == [p for p in range(self.npages) if state[p] == UNMAPPED], (
             "unmapped stack"
@@ -395,4 +480,6 @@ class PageBook:
         assert sorted(self.pending_epoch) == [p for p in range(self.npages) if state[p] == PENDING], "pending"
         for k, bucket in enumerate(self.buckets):
             assert bool(bucket) == bool(self.mask >> k & 1), f"mask bit {k}"
-            assert all(state[p] == USED and len(free_lists[p]) == k for p in bucket), f"bucket {k}"
+            assert all(state[p] == USED and len(free_lists[p]) == k and not drain[p] for p in bucket), (
+                f"bucket {k}"
+            )

@@ -26,9 +26,10 @@ def pool_snapshot(
     hits: int,
     misses: int,
     epoch: int,
+    preemptions: int,
 ) -> PoolSnapshot:
     """The statistics of the pool ``guard.name`` now (``has_null``: the pool holds a null block, which
-    counts as neither used nor free)."""
+    counts as neither used nor free; ``preemptions``: requests the engine preempted)."""
     if guard.closed:
         state = PoolState.CLOSED
     elif guard.broken is not None:
@@ -60,4 +61,6 @@ def pool_snapshot(
         reserve_misses=misses,
         epoch=epoch,
         timestamp=time.time(),
+        preemptions=preemptions,
+        draining_pages=book.drain_count,
     )

@@ -59,7 +59,8 @@ HISTOGRAM_BOUNDS: tuple[float, ...] = (
 SNAPSHOT_INT_FIELDS: tuple[str, ...] = (
     "block_size_bytes", "page_size", "page_bytes", "blocks_per_page", "total_blocks", "used_blocks",
     "free_blocks", "available_blocks", "total_pages", "mapped_pages", "reserve_pages", "pending_pages",
-    "inflight_pages", "mapped_bytes", "limit_bytes", "reserve_hits", "reserve_misses", "epoch",
+    "inflight_pages", "mapped_bytes", "limit_bytes", "reserve_hits", "reserve_misses", "epoch", "preemptions",
+    "draining_pages",
 )  # fmt: skip
 
 
@@ -183,7 +184,7 @@ class _Cursor:
 
 
 class RecordLayout:
-    """A pool record, version 1: identity, control fields, published statistics, latency histograms.
+    """A pool record, version 2: identity, control fields, published statistics, latency histograms.
 
     Writers: the owner writes identity, ``charged_bytes`` and the statistics; ``kvctl`` (any process) writes
     ``limit_bytes``/``limit_revision``/``trim_revision``, always under the device lock of the record's device.
@@ -192,7 +193,7 @@ class RecordLayout:
     """
 
     MAGIC = "EKVP"
-    VERSION = 1
+    VERSION = 2
     SIZE = 4096  # one page: the mapping is never resized
 
     _c = _Cursor()

@@ -121,7 +121,9 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "block_pool"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
-    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager",),
+    # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "prev_step_scheduled_req_ids"),
+    "vllm.v1.request.Request": ("request_id",),
     "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank"),
 }
 

@@ -156,6 +156,18 @@ _SCHEDULER = (
     Target(_SCHED, "Scheduler.reset_prefix_cache", params=("self",)),
     Target("vllm.v1.core.sched.interface", "SchedulerInterface.has_unfinished_requests", params=("self",)),
     Target(_SCHED, "Scheduler.shutdown", params=("self",)),
+    Target(
+        _SCHED,
+        "Scheduler._preempt_request",
+        params=("self", "request", "timestamp"),
+        why="preempts the requests on pages a lowered limit releases; counts every preemption",
+    ),
+    Target(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator.get_blocks",
+        params=("self", "request_id"),
+        why="finds the requests holding blocks on pages a lowered limit releases",
+    ),
 )
 _WORKER_SIDE = (
     Target(_WORKER, "Worker", kind="class", why="base of ElasticGPUWorker"),

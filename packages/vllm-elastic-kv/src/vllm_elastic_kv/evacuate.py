@@ -1,0 +1,114 @@
+"""Getting under a lowered limit within a bounded number of steps: vacate the pages being released.
+
+When ``kvctl limit`` drops a pool's limit below what it holds, the ledger chooses pages to release -- its
+*draining* pages (:meth:`elastic_kv.ledger.Ledger.draining_pages`) -- and from then on issues no
+block on them, so a block freed there is never handed to another request. It chooses them in the order
+:func:`drain_order` gives: pages that only cached blocks hold, then the pages that preempting running
+requests from the back of vLLM's running queue (vLLM's own preemption order) vacates, so that as few
+requests as possible are preempted. What is left on them is freed here, at the start of the scheduler's
+next ``schedule()``:
+
+* every running request holding a block on a draining page is preempted the way vLLM preempts
+  (``Scheduler._preempt_request``: its blocks are freed, it returns to the front of the waiting queue and
+  is recomputed later, so its greedy tokens are those it would have produced anyway). As in vLLM's
+  ``reset_prefix_cache(reset_running_requests=True)``, which also preempts outside a step, the request's
+  in-flight output is dropped and its tokens are sent again if it resumes in this same step;
+* cached prefix blocks on draining pages that no request holds are evicted
+  (:meth:`~vllm_elastic_kv.block_pool.ElasticBlockPool.evict_draining`).
+
+The pages then empty and are released once no step in flight can read them: at once with synchronous
+scheduling, when the step in flight completes with asynchronous scheduling. So the pool is under its
+limit two steps after the step that saw the limit (one to choose the pages, one to vacate them), whatever
+the length of the running generations. Preempted requests resume as soon as the pages that stay backed
+have room for them; they never get blocks on a draining page.
+
+Requests that hold blocks while waiting (a KV connector's asynchronous loads) are not preempted; their
+pages drain when they finish.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+__all__ = ["drain_order", "vacate_draining_pages"]
+
+logger = logging.getLogger(__name__)
+
+# Releases without it deliver a preempted request's in-flight output; those with it are told to drop it.
+_DROP_STALE = (
+    {"drop_stale_output": True}
+    if "drop_stale_output" in inspect.signature(Scheduler._preempt_request).parameters
+    else {}
+)
+
+
+def _block_ids(scheduler: Any, request: Any) -> list[int]:
+    """The ids of the pool's blocks ``request`` holds, every KV cache group (the null block excluded)."""
+    pool = scheduler.elastic_pool.block_pool
+    groups = scheduler.kv_cache_manager.coordinator.get_blocks(request.request_id)
+    return [
+        block.block_id
+        for group in groups
+        for block in group
+        if not block.is_null and getattr(block, "pool", pool) in (pool, None)
+    ]
+
+
+def _holds_draining(scheduler: Any, request: Any) -> bool:
+    return bool(scheduler.elastic_pool.ledger.holds_draining(_block_ids(scheduler, request)))
+
+
+def drain_order(scheduler: Any, candidates: list[int]) -> list[int]:
+    """The ledger's ``drain_order`` for vLLM: ``candidates`` (pages in use) ordered so that draining the
+    first ``k`` of them preempts as few requests as vLLM's own order allows. Pages no running request
+    holds come first (only cached blocks: evicted, nobody preempted); then, taking running requests
+    from the last (the ones vLLM would preempt first: least progress) to the first, the pages each one
+    completes -- pages every holder of which is taken by then."""
+    bpp = scheduler.elastic_pool.ledger.geometry.blocks_per_page
+    wanted = set(candidates)
+    holders: dict[int, int] = {}  # page -> running requests holding blocks on it
+    pages_of: list[set[int]] = []
+    for request in reversed(scheduler.running):
+        pages = {b // bpp for b in _block_ids(scheduler, request)} & wanted
+        pages_of.append(pages)
+        for page in pages:
+            holders[page] = holders.get(page, 0) + 1
+    order = [page for page in candidates if page not in holders]
+    for pages in pages_of:
+        for page in sorted(pages):
+            holders[page] -= 1
+            if not holders[page]:
+                order.append(page)
+    return order
+
+
+def vacate_draining_pages(scheduler: Any) -> int:
+    """Preempt the running requests that hold blocks on draining pages and evict cached blocks there;
+    release the emptied pages if no step is in flight. Returns the number of requests preempted.
+
+    ``scheduler``: the elastic scheduler (vLLM's ``Scheduler`` with ``elastic_pool``), between steps, on its
+    thread."""
+    elastic = scheduler.elastic_pool
+    holders = [request for request in scheduler.running if _holds_draining(scheduler, request)]
+    if holders:
+        timestamp = time.monotonic()
+        # Preempted last to first: each goes to the front of the waiting queue, so they resume in order.
+        for request in reversed(holders):
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, timestamp, **_DROP_STALE)
+            # If it resumes in this step, the workers need its tokens again (they dropped its state).
+            scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+        logger.info(
+            "pool %s over its limit: preempted %d request(s) holding blocks on %d draining page(s)",
+            elastic.record.name,
+            len(holders),
+            elastic.ledger.snapshot().draining_pages,
+        )
+    elastic.block_pool.evict_draining()
+    elastic.epochs.quiesce()
+    return len(holders)

