@@ -46,9 +46,11 @@ groups=(
     "dataplane|68|cuda|900|tests/dataplane"     # 3 more skip on CUDA by design: budget tests of the host backend
     "ledger|2|cuda|600|tests/ledger/test_ledger_gpu.py"
     "vllm-zeroing|5|cuda|600|tests/vllm/test_vllm_zeroing_gpu.py"
-    "vllm-engine|1|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
+    # vllm-engine: tiny, gptoss, mla, gdn, ngram (about 4 minutes each; gptoss needs vLLM's MoE kernels,
+    # which ci/gpu-bundle/ leaves out to fit two device calls)
+    "vllm-engine|5|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
     "ranks|4|cuda,gpus2|600|tests/ranks/test_ranks_gpu.py"
-    "sglang|1|cuda,sglang|600|tests/sglang/test_sglang_gpu.py"
+    "sglang|2|cuda,sglang|600|tests/sglang/test_sglang_gpu.py"
 )
 
 declare -a summary=()

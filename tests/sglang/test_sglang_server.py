@@ -237,6 +237,19 @@ def test_sleep_and_wake_over_http(server: Server, body: dict[str, Any]) -> None:
     assert "Traceback" not in log and "memory leak detected" not in log
 
 
+def test_kvctl_trim_returns_the_reserve_of_an_idle_engine(server: Server) -> None:
+    """No request runs while ``kvctl trim`` waits: the idle scheduler applies it and answers with what came
+    back (the reserve it had mapped)."""
+    _generate(server, [(17 * j) % 1000 + 4 for j in range(40)], 8)
+    idle = _settled_pool(server, lambda s: s["reserve_pages"] > 0)
+    assert idle["snapshot"]["reserve_pages"] > 0, idle
+    done = kvctl(server.registry, "trim", POOL, "--wait", "60")
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.strip().splitlines()
+    assert line.startswith(f"pool {POOL}: returned ") and "reserve 0 page(s)" in line, line
+    assert not line.startswith(f"pool {POOL}: returned 0 B"), line
+
+
 def test_sigterm_removes_the_pool_record(server: Server) -> None:
     """Last in this module (it stops the server): SIGTERM to ``launch_server`` -- what ``docker stop`` and
     ``systemctl stop`` send -- ends every process of the engine, and the pool's record is gone without a

@@ -90,6 +90,7 @@ class Ledger:
         self._misses = 0
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
         self._light = False  # the last maintain() was for a light step
+        self._trimmed = False  # kvctl trim returned the reserve: refilled only once the pool allocates again
 
         self._null = null_block
         if null_block is not None:
@@ -245,6 +246,7 @@ class Ledger:
             return []
         if get_ident() != self._guard.owner:
             self._guard.refuse()
+        self._trimmed = False
         out = self._book.take_fit(n)
         return out if out is not None else self._alloc_pages(n)
 
@@ -332,23 +334,22 @@ class Ledger:
         ``reserve_max_pages`` (:mod:`elastic_kv.reserve`).
 
         Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim: the
-        reserve is returned and not refilled in the same call; either is published at once, as the
-        pool's answer to ``kvctl``), refreshes the physical headroom (driver free memory, at most every
-        ``free_memory_ttl_s``), sizes the reserve from recent growth and refills or trims it, and publishes
-        a snapshot.
+        reserve is returned and not refilled until the pool allocates again; either is published at once,
+        as the pool's answer to ``kvctl``), refreshes the physical headroom (driver free memory, at most
+        every ``free_memory_ttl_s``), sizes the reserve from recent growth and refills or trims it, and
+        publishes a snapshot.
         """
         if get_ident() != self._guard.owner:
             self._guard.refuse()
         if self._book.inflight:
             self._take_in()
         events = self._phys.poll()
-        trimmed = False
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
                 self._drain.apply_limit(self._phys.record_limit())
             if events.trim_requested:
                 self._backing.unmap_reserve(0)
-                trimmed = True  # returned now: not refilled by this call (the next steps' demand may)
+                self._trimmed = True  # not refilled by idle calls (an idle SGLang calls every pass)
         self._phys.refresh(force=events is not None and events.limit_changed)
         self._drain.follow(publish=False)
         over = self._phys.over_limit()
@@ -362,7 +363,7 @@ class Ledger:
         book = self._book
         if len(book.reserve) > ceiling:
             self._backing.unmap_reserve(ceiling)
-        if not trimmed and self._cfg.premap and len(book.reserve) + book.inflight_pages < target:
+        if not self._trimmed and self._cfg.premap and len(book.reserve) + book.inflight_pages < target:
             if self._async:
                 self._backing.refill_async(target - len(book.reserve) - book.inflight_pages)
             else:
