@@ -269,7 +269,8 @@ def test_the_hybrid_req_pool_builder_builds_the_elastic_pool_with_sglangs_argume
     def builder(configurator: Any) -> Any:  # what SGLang's builder does: the class named in its module
         return kv_cache_configurator.HybridReqToTokenPool(**_kwargs())
 
-    pool = build_hybrid_req_pool_around(builder, object())
+    gdn = SimpleNamespace(hybrid_gdn_config=object(), model_config=None)
+    pool = build_hybrid_req_pool_around(builder, gdn)
     try:
         assert isinstance(pool, ElasticHybridReqToTokenPool)
         assert kv_cache_configurator.HybridReqToTokenPool is HybridReqToTokenPool  # restored
@@ -280,7 +281,23 @@ def test_the_hybrid_req_pool_builder_builds_the_elastic_pool_with_sglangs_argume
         return HybridReqToTokenPool(**_kwargs())
 
     with pytest.raises(ConfigError, match="not the elastic request pool"):
-        build_hybrid_req_pool_around(native_builder, object())
+        build_hybrid_req_pool_around(native_builder, gdn)
+
+
+@pytest.mark.parametrize("arch", ["NemotronHForCausalLM", "FalconH1ForCausalLM", "KimiLinearForCausalLM"])
+def test_state_hybrids_other_than_gdn_are_refused_by_name(arch: str) -> None:
+    """Mamba2 and KDA hybrids have no engine proof (SGLang's CPU engine cannot run them): refused before any
+    pool is built, in one line naming the architecture."""
+    from sglang_elastic_kv.hooks import build_hybrid_req_pool_around
+
+    def builder(configurator: Any) -> Any:
+        raise AssertionError("no pool is built for a refused model")
+
+    mamba2 = SimpleNamespace(
+        hybrid_gdn_config=None, model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]))
+    )
+    with pytest.raises(ConfigError, match=rf"^--kv-cache-backend=elastic serves Gated DeltaNet .*; {arch} "):
+        build_hybrid_req_pool_around(builder, mamba2)
 
 
 def test_the_token_allocator_drives_the_state_pool(hybrid: Any) -> None:

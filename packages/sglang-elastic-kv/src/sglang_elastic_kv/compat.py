@@ -146,6 +146,8 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "_page_major_enabled",
         "spec_algorithm",
         "mambaish_config",
+        "hybrid_gdn_config",
+        "model_config",
     ),
     "sglang.srt.speculative.spec_info.SpeculativeAlgorithm": ("is_none", "NONE"),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigResult": (

@@ -139,10 +139,22 @@ def refuse_unserved_before(scheduler: Any, server_args: Any, *args: Any, **kwarg
 def build_hybrid_req_pool_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang's hybrid request pool for Mamba / linear hybrids, built as
     :class:`~sglang_elastic_kv.mamba.ElasticHybridReqToTokenPool` with SGLang's own arguments: the builder
-    names ``HybridReqToTokenPool`` from its module, which points at the elastic subclass for this call."""
+    names ``HybridReqToTokenPool`` from its module, which points at the elastic subclass for this call.
+
+    Served are the hybrids an engine test proves: Gated DeltaNet ones (``hybrid_gdn_config``, Qwen3-Next).
+    Mamba2 (Nemotron-H, Falcon-H1) and KDA hybrids share the pool's code but are refused until an engine
+    runs them (SGLang's CPU engine has no Mamba2 or KDA kernels to prove them on)."""
     from sglang.srt.mem_cache import kv_cache_configurator
 
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
+
+    if configurator.hybrid_gdn_config is None:
+        hf_config = getattr(configurator.model_config, "hf_config", None)
+        arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
+        raise ConfigError(
+            f"--kv-cache-backend=elastic serves Gated DeltaNet hybrids (Qwen3-Next) among SGLang's state "
+            f"models; {arch} (Mamba2 / KDA state) is not proven with it yet: use --kv-cache-backend=native"
+        )
 
     native = kv_cache_configurator.HybridReqToTokenPool
     kv_cache_configurator.HybridReqToTokenPool = ElasticHybridReqToTokenPool
