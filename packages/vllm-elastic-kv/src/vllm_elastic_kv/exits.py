@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import logging
 import socket
+import time
 from pathlib import Path
 
 from elastic_kv.ranks import socket_path
@@ -40,19 +41,28 @@ def _stale(path: Path) -> bool:
     return False
 
 
-def clean_up_after_engine(instance: str, world_size: int, registry_dir: Path | None) -> None:
-    """Reclaim dead owners' records and remove engine ``instance``'s stale sockets (never raises)."""
+def clean_up_after_engine(
+    instance: str, world_size: int, registry_dir: Path | None, wait_s: float = 5.0
+) -> None:
+    """Remove engine ``instance``'s stale sockets and reclaim dead owners' records (never raises).
+
+    vLLM has just SIGKILLed the engine's processes, which may take a moment to die on a loaded machine: a
+    socket still accepting is polled for up to ``wait_s`` before it counts as another process's. The
+    records are reclaimed after that wait, so that their owners have died too."""
     try:
+        deadline = time.monotonic() + wait_s
+        for rank in range(world_size):
+            path = socket_path(instance, rank)
+            while path.exists() and not _stale(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if path.exists() and _stale(path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
         if config.directory.is_dir():
             reclaimed = reclaim_dead(config)
             if reclaimed:
                 logger.info("elastic KV: removed the records of stopped pools %s", ", ".join(reclaimed))
-        for rank in range(world_size):
-            path = socket_path(instance, rank)
-            if path.exists() and _stale(path):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
     except Exception:
         logger.debug("elastic KV: clean-up after the engine failed", exc_info=True)
 
