@@ -7,6 +7,7 @@ would shadow the real one, so test modules carry a ``test_vllm_`` prefix to stay
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,25 @@ if str(REPO_ROOT) not in sys.path:  # for `tests.support` when pytest is run wit
 
 # Engines must never reach the hub; the tiny model is local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@functools.cache
+def _vllm_installed() -> bool:
+    """Whether the real vLLM is importable (``import vllm`` alone can find this directory instead)."""
+    try:
+        import vllm.v1  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Without vLLM (a GPU machine running only the data-plane groups of ``ci/gpu.sh``) the modules that
+    import it are not collected; the ``*_gpu.py`` modules stay and skip or run by their own markers."""
+    name = collection_path.name
+    if name.startswith("test_vllm_") and not name.endswith("_gpu.py") and not _vllm_installed():
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")
