@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import TEST_ENV, charged_bytes, elastic_llm, generate, pool_snapshot, wait_for
+from vllm_engines import (
+    TEST_ENV,
+    charged_bytes,
+    check_device_charged_for_every_rank,
+    elastic_llm,
+    generate,
+    pool_snapshot,
+    ranks_back_the_same_pages,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -53,33 +62,12 @@ def test_each_stage_backs_its_own_layers_on_the_same_pages(llm: Any, registry_di
     assert len({i["pid"] for i in infos}) == PP
     # The tiny model's two layers: one per stage, each stage's spaces cover only its own layer.
     assert [i["kv_cache_groups"] for i in infos] == ["1 x FullAttentionSpec (1 layer)"] * PP
-
-    # The ledger counts a page free as soon as it queues the release; the stages apply a broadcast one after
-    # the other, behind the engine's steps. Once the releases have run, every stage backs the same pages.
-    def stages_agree() -> bool:
-        return len({(i["mapped_pages"], i["geometry"]) for i in llm.collective_rpc("elastic_kv_info")}) == 1
-
-    assert wait_for(stages_agree)
+    assert wait_for(lambda: ranks_back_the_same_pages(llm))
 
 
 def test_the_device_is_charged_for_every_stage(llm: Any, registry_dir: Path) -> None:
-    from elastic_kv.registry import Registry
-
     generate(llm)
-
-    def settled() -> bool:
-        infos = llm.collective_rpc("elastic_kv_info")
-        (device,) = Registry(registry_dir).devices()
-        return len({i["mapped_bytes"] for i in infos}) == 1 and device.charged_bytes == sum(
-            i["mapped_bytes"] for i in infos
-        )
-
-    assert wait_for(settled)
-    (device,) = Registry(registry_dir).devices()
-    infos = llm.collective_rpc("elastic_kv_info")
-    assert device.device == "cpu" and device.pools == (POOL,)
-    assert device.charged_bytes == PP * infos[0]["mapped_bytes"] > 0
-    assert pool_snapshot(registry_dir, POOL).mapped_bytes == device.charged_bytes
+    check_device_charged_for_every_rank(llm, registry_dir, POOL)
 
 
 def test_an_idle_engine_returns_to_the_null_page_and_reserve_on_every_stage(

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import TEST_ENV, charged_bytes, elastic_llm, generate, pool_snapshot, wait_for
+from vllm_engines import (
+    TEST_ENV,
+    charged_bytes,
+    check_device_charged_for_every_rank,
+    elastic_llm,
+    generate,
+    pool_snapshot,
+    ranks_back_the_same_pages,
+    wait_for,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -50,33 +59,10 @@ def test_every_rank_backs_the_same_pages(llm: Any, registry_dir: Path) -> None:
     # rank (the pool's charge is every rank's bytes on the device).
     idle = TP * (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * pool_snapshot(registry_dir, POOL).page_bytes
     assert wait_for(lambda: charged_bytes(registry_dir, POOL) <= idle)
-
-    # The ledger counts a page free as soon as it queues the release; the ranks apply a broadcast one after
-    # the other, behind the engine's steps. Once the releases have run, every rank backs the same pages.
-    def ranks_agree() -> bool:
-        return len({(i["mapped_pages"], i["geometry"]) for i in llm.collective_rpc("elastic_kv_info")}) == 1
-
-    assert wait_for(ranks_agree)
+    assert wait_for(lambda: ranks_back_the_same_pages(llm))
 
 
 def test_the_device_is_charged_for_every_rank(llm: Any, registry_dir: Path) -> None:
     """Both ranks back every page on the one host device: its budget is charged for both, exactly."""
-    from elastic_kv.registry import Registry
-
     generate(llm)
-
-    def settled() -> bool:
-        infos = llm.collective_rpc("elastic_kv_info")
-        (device,) = Registry(registry_dir).devices()
-        return len({i["mapped_bytes"] for i in infos}) == 1 and device.charged_bytes == sum(
-            i["mapped_bytes"] for i in infos
-        )
-
-    assert wait_for(settled)
-    (device,) = Registry(registry_dir).devices()
-    infos = llm.collective_rpc("elastic_kv_info")
-    assert device.device == "cpu" and device.pools == (POOL,)
-    assert device.charged_bytes == TP * infos[0]["mapped_bytes"] > 0
-    assert device.total_bytes > 0  # percentages of the device work for vLLM pools too
-    snap = pool_snapshot(registry_dir, POOL)
-    assert snap.mapped_bytes == device.charged_bytes  # kvctl's MAPPED is the bytes on the device
+    check_device_charged_for_every_rank(llm, registry_dir, POOL)

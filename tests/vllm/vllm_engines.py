@@ -188,6 +188,34 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, period: float
         time.sleep(period)
 
 
+def ranks_back_the_same_pages(llm: Any) -> bool:
+    """Whether every rank (TP rank, PP stage) of ``llm`` backs the same pages. The ledger counts a page
+    free as soon as it queues the release; the ranks apply a broadcast one after the other, behind the
+    engine's steps, so callers wait for this."""
+    return len({(i["mapped_pages"], i["geometry"]) for i in llm.collective_rpc("elastic_kv_info")}) == 1
+
+
+def check_device_charged_for_every_rank(llm: Any, registry_dir: Path, pool: str) -> None:
+    """After a load: the one host device is charged for every rank's bytes, exactly, and the pool's
+    ``mapped_bytes`` (kvctl's MAPPED) is that charge."""
+    from elastic_kv.registry import Registry
+
+    def settled() -> bool:
+        infos = llm.collective_rpc("elastic_kv_info")
+        (device,) = Registry(registry_dir).devices()
+        return len({i["mapped_bytes"] for i in infos}) == 1 and device.charged_bytes == sum(
+            i["mapped_bytes"] for i in infos
+        )
+
+    assert wait_for(settled)
+    (device,) = Registry(registry_dir).devices()
+    infos = llm.collective_rpc("elastic_kv_info")
+    assert device.device == "cpu" and device.pools == (pool,)
+    assert device.charged_bytes == len(infos) * infos[0]["mapped_bytes"] > 0
+    assert device.total_bytes > 0  # percentages of the device work for vLLM pools too
+    assert pool_snapshot(registry_dir, pool).mapped_bytes == device.charged_bytes
+
+
 @contextmanager
 def sampling(probe: Callable[[], int], period: float = 0.02) -> Iterator[list[int]]:
     """Call ``probe`` every ``period`` seconds on a thread while the block runs; yields the samples."""
