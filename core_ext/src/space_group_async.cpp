@@ -42,7 +42,7 @@ void SpaceGroup::run_request(std::unique_lock<std::mutex>& lock, const Request& 
   std::vector<std::uint32_t> done;
   std::optional<std::string> error;
   for (std::uint32_t p : request.pages) {
-    if (stop_) {
+    if (stop_ || cancelling_.load(std::memory_order_relaxed)) {
       error = "Cancelled: the SpaceGroup was closed";
       break;
     }
@@ -108,6 +108,7 @@ std::vector<AsyncResult> SpaceGroup::collect(bool wait) {
 }
 
 void SpaceGroup::close() noexcept {
+  cancelling_.store(true, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_ || stop_) return;

@@ -40,6 +40,7 @@
 // keeps the bookkeeping trivially consistent). results_mu_ is a leaf lock.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -195,6 +196,9 @@ class SpaceGroup {
   std::deque<Request> queue_;
   bool busy_ = false;
   bool stop_ = false;
+  // Set by close() before it takes mu_: the worker, which holds mu_ while it maps a page and re-takes it
+  // at once after, sees it at its next page even when close() has not got the mutex yet.
+  std::atomic<bool> cancelling_{false};
   std::uint64_t next_ticket_ = 0;
   std::mutex results_mu_;
   std::vector<AsyncResult> results_;
