@@ -150,3 +150,26 @@ def test_preemptions_are_counted_in_the_snapshot(deferred: tuple[Pool, BudgetRec
     assert led.preemptions == 3 == led.snapshot().preemptions
     led.publish()
     assert record.published[-1].preemptions == 3
+
+
+def test_a_page_queued_twice_while_draining_is_released_once() -> None:
+    """Found by the stateful test: under a limit of one page, a draining page emptied by two clears in one
+    epoch is queued twice; releasing that epoch unmaps it once, and the pool stays consistent."""
+    record = BudgetRecord()
+    cfg = ElasticConfig(
+        page_size=SLOT, premap=False, defer_release=True, reserve_min_pages=0, reserve_max_pages=0
+    )
+    pool = make_pool(small_geometry(48), cfg, record=record, null_block=0)
+    try:
+        led = pool.ledger
+        assert led.alloc(4) is not None
+        led.clear()
+        assert led.alloc(1) is not None and led.alloc(3) is not None
+        led.resize(pool.ledger.geometry.page_bytes)
+        led.clear()
+        led.release_through(led.epoch)
+        check_invariants(pool)
+        assert record.charged_bytes == pool.ledger.geometry.page_bytes  # the null block's page
+    finally:
+        pool.close()
+    assert record.charged_bytes == 0

@@ -368,7 +368,7 @@ class PageBook:
             if pending_epoch.get(p) == e:  # else: reused since, or emptied again later
                 del pending_epoch[p]
                 ready.append(p)
-            elif withheld.get(p) == e:
+            elif withheld.get(p) == e and p not in drained:  # queued twice in one epoch: once
                 drained.append(p)
         return ready, drained
 
