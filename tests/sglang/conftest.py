@@ -23,3 +23,11 @@ def tiny_model_path() -> Path:
     if not plugin_installed():
         pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
     return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private registry directory per engine module (mode 0700, as the registry requires)."""
+    path = tmp_path_factory.mktemp("registry")
+    path.chmod(0o700)
+    return path

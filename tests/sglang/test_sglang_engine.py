@@ -64,13 +64,6 @@ def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("registry")
-    path.chmod(0o700)
-    return path
-
-
 def _elastic(name: str, model: Path, registry_dir: Path, ps: int, **env: str) -> EngineProcess:
     return start_engine(
         name,

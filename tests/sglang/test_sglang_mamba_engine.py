@@ -83,13 +83,6 @@ def reference(gdn_model: Path) -> dict[str, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("registry")
-    path.chmod(0o700)
-    return path
-
-
-@pytest.fixture(scope="module")
 def elastic(gdn_model: Path, registry_dir: Path, reference: dict[str, Any]) -> Iterator[EngineProcess]:
     with _start(
         NAME,

@@ -79,13 +79,6 @@ def reference(swa_model: Path) -> dict[int, dict[str, list[list[int]]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("registry")
-    path.chmod(0o700)
-    return path
-
-
 def _elastic(name: str, model: Path, registry_dir: Path, ps: int) -> EngineProcess:
     return _start(
         name,
