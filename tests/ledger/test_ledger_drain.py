@@ -173,3 +173,15 @@ def test_a_page_queued_twice_while_draining_is_released_once() -> None:
     finally:
         pool.close()
     assert record.charged_bytes == 0
+
+
+def test_order_by_holders_drains_what_the_first_preemptions_vacate() -> None:
+    from elastic_kv.ledger.drain import order_by_holders
+
+    # Requests in preemption order hold pages {3}, {2, 3}, {1, 5}; page 5 is no candidate, page 4 no
+    # request holds (cached blocks only). Preempting the first vacates nothing (page 3 keeps a holder);
+    # preempting the second then vacates pages 2 and 3; the third, page 1.
+    assert order_by_holders([1, 2, 3, 4], [{3}, {2, 3}, {1, 5}]) == [4, 2, 3, 1]
+    # Candidates held by a request not listed are never completed: left to the drain's own order.
+    assert order_by_holders([1, 2], [{1}]) == [2, 1]
+    assert order_by_holders([7, 8], []) == [7, 8]

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from tests.support.models import REPO_ROOT
-from tests.support.sglang_engine import LOG_DIR, engine_environ, plugin_installed
+from tests.support.sglang_engine import LOG_DIR, engine_environ, kvctl, plugin_installed
 
 pytestmark = [
     pytest.mark.sglang,
@@ -84,13 +84,6 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-
-
-def kvctl(registry: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = engine_environ({"ELASTIC_KV_REGISTRY_DIR": str(registry)})
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", *args], env=env, capture_output=True, text=True, timeout=60
-    )
 
 
 @pytest.fixture(scope="module")

@@ -209,16 +209,30 @@ def settled_snapshot(
         time.sleep(0.05)
 
 
+def kvctl(registry_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``kvctl ARGS`` on ``registry_dir``, as a user beside the engine runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_kv.kvctl", *args],
+        env=engine_environ({"ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def generate_under_lowered_limit(
     engine: EngineProcess, registry_dir: Path, name: str, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Start ``prompts`` on ``engine``; once the batch holds more than two pages' worth of blocks of pool
-    ``name``, lower that pool's limit (as ``kvctl limit`` does) to three pages. Returns the outputs after
-    checking that SGLang retracted requests instead of failing an allocation, that the pool counted them
-    (its snapshot's ``preemptions``) and came back within the limit; the limit is lifted again in any case."""
+    ``name``, ``kvctl limit NAME SIZE --wait`` lowers that pool's limit to one page below what it holds.
+
+    Returns the outputs after checking that the limit was met in bounded time *while the batch still
+    ran* (SGLang retracted the requests holding slots on the pages being released, and kvctl reported the
+    retractions), that the pool then stayed within the limit until the batch ended, and that no
+    allocation failed. The limit is lifted again in any case."""
     engine.call("flush_cache")
     page_bytes = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0).page_bytes
-    limit = 3 * page_bytes
+    registry = Registry(registry_dir)
     result: list[Any] = []
     worker = threading.Thread(
         target=lambda: result.append(engine.generate(prompts, max_new_tokens=max_new_tokens)), daemon=True
@@ -226,17 +240,27 @@ def generate_under_lowered_limit(
     worker.start()
     try:
         settled_snapshot(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
-        Registry(registry_dir).set_limit(name, limit)
+        limit = registry.pool(name).charged_bytes - page_bytes
+        lowered = kvctl(registry_dir, "limit", name, str(limit), "--wait", "120")
+        ran_on = worker.is_alive()
+        charges = []
+        while worker.is_alive():
+            charges.append(registry.pool(name).charged_bytes)
+            time.sleep(0.02)
         worker.join(timeout=600)
         assert result, "the batch did not finish"
+        assert lowered.returncode == 0, lowered.stdout + lowered.stderr
+        assert "applied after" in lowered.stdout, lowered.stdout
+        retracted = int(lowered.stdout.split("request(s) preempted")[0].rsplit(";", 1)[1])
+        assert retracted >= 1, lowered.stdout
+        assert ran_on, f"the batch ended before the limit was met: {lowered.stdout}"
+        assert max(charges, default=0) <= limit, f"the pool grew over its limit of {limit} B again"
         log = engine.log_path.read_text()
         assert "KV cache pool is full. Retract requests." in log
         assert "Out of memory" not in log
-        settled = settled_snapshot(registry_dir, name, lambda s: s.mapped_bytes <= limit)
-        assert settled.mapped_bytes <= limit, f"the pool stayed over its limit of {limit} bytes: {settled}"
-        assert settled.preemptions > 0, "SGLang's retractions were not counted in the pool's snapshot"
+        print(f"pool {name}: {lowered.stdout.strip()}")
     finally:
-        Registry(registry_dir).set_limit(name, 0)
+        registry.set_limit(name, 0)
     outputs: list[list[int]] = result[0]
     return outputs
 

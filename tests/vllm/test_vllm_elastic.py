@@ -113,7 +113,9 @@ def test_memory_follows_load(llm: Any, registry_dir: Path, worker_pid: int) -> N
     assert wait_for(lambda: rss_shmem_bytes(worker_pid) <= rss_idle + idle)
     # No unmapped page keeps its memory in a handle cache: the worker holds exactly what the pool is
     # charged for, plus the same zero pages as before the burst.
-    assert wait_for(lambda: _unaccounted(llm) == overhead), f"{_unaccounted(llm)} B unaccounted, not {overhead}"
+    assert wait_for(lambda: _unaccounted(llm) == overhead), (
+        f"{_unaccounted(llm)} B unaccounted, not {overhead}"
+    )
 
 
 def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir: Path) -> None:

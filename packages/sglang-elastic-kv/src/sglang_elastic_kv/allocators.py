@@ -26,8 +26,10 @@ memory vanished between the check and the allocation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +40,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from sglang_elastic_kv import compat
+from sglang_elastic_kv import compat, drain
 from sglang_elastic_kv.pool import ElasticKVPool
 
 __all__ = [
@@ -113,6 +115,29 @@ class ElasticAllocatorMixin:
     _asleep: bool = False
     _maintain_interval_s: float = 0.0
     _maintained_at: float = float("-inf")
+    # The scheduler's running requests (:meth:`elastic_follow`); None: no scheduler (unit tests), so no
+    # request is retracted for a drain.
+    _running: drain.RunningRequests | None = None
+    # Request-to-token slots -> this pool's slots, where they differ (a hybrid's SWA side); None: the same.
+    elastic_translate: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def elastic_follow(self, running: drain.RunningRequests) -> None:
+        """Steer a lowered limit's drain by the scheduler's ``running`` requests (:mod:`.drain`): the ledger
+        chooses the pages the requests SGLang retracts first hold, and decode capacity is refused while
+        two or more requests hold slots on draining pages."""
+        self._running = running
+        self._ledger.drain_order = functools.partial(drain.drain_order, self, running)
+
+    def elastic_parts(self) -> tuple[ElasticAllocatorMixin, ...]:
+        """The elastic allocators behind this one (composites have several): itself."""
+        return (self,)
+
+    def elastic_must_retract(self, requests: Any) -> bool:
+        """Whether SGLang should retract one of ``requests`` (the decode batch, or what its retraction loop
+        keeps) for the drain: two or more of them, and one holds a slot on a draining page."""
+        if self._running is None or requests is None or len(requests) < 2 or not self._ledger.draining:
+            return False
+        return drain.holds_draining(self, requests, self._running()[1])
 
     def elastic_note_retracted(self, requests: int) -> None:
         """SGLang retracted ``requests`` decode requests (their KV freed, to be recomputed): counted as
@@ -197,6 +222,12 @@ class ElasticAllocatorMixin:
         if now - self._maintained_at >= self._maintain_interval_s:
             self._maintained_at = now
             self._ledger.maintain()
+        self._follow_drain()
+
+    def _follow_drain(self) -> None:
+        """Keep free backed slots on draining pages from being handed out (the ledger withholds only the
+        blocks it has not issued yet), and give such slots back once the drain ends."""
+        raise NotImplementedError
 
     def verify_byte_accounting(self) -> list[str]:
         """SGLang's idle-time diagnostic (runs on every idle scheduler pass): idle means no GPU work, so
@@ -206,6 +237,7 @@ class ElasticAllocatorMixin:
         self._ledger.release_through(self._ledger.epoch)
         if not self._asleep:
             self._ledger.maintain()
+            self._follow_drain()
         held = self._held_blocks()
         used = self._ledger.used_blocks
         problems = (
@@ -235,7 +267,8 @@ class ElasticAllocatorMixin:
         return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
-        """Evict unlocked prefix-cache entries until ``num_tokens`` can be backed, or nothing is left.
+        """Evict unlocked prefix-cache entries until ``num_tokens`` can be backed, or nothing is left; all of
+        them while the pool is over its limit.
 
         Uses the cache's plain ``evict``: its allocation-driven variant measures the shortfall against the
         allocator's logical size, which an elastic pool may satisfy while its memory is short.
@@ -243,6 +276,8 @@ class ElasticAllocatorMixin:
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return None
         shortfall = num_tokens - self.elastic_available_size()
+        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
+            shortfall = max(shortfall, int(tree_cache.evictable_size()))
         if shortfall > 0:
             tree_cache.evict(EvictParams(num_tokens=shortfall))
         return None
@@ -250,8 +285,11 @@ class ElasticAllocatorMixin:
     def check_decode_capacity(
         self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
     ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed after eviction; False -> retract."""
+        """Whether the next decode step's ``num_tokens`` can be backed after eviction, and no request of
+        ``requests`` must be retracted for a drain (:meth:`elastic_must_retract`); False -> retract."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
+        if self.elastic_must_retract(requests):
+            return False
         return self.elastic_available_size() >= num_tokens
 
 
@@ -286,6 +324,8 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         self._owned = torch.zeros(self._num_chunks, dtype=torch.bool, device=self.device)
         self._backed_tokens = int(self._cap_cpu[0])
         self.free_pages = torch.arange(1, 1 + self._backed_tokens, dtype=torch.int64, device=self.device)
+        # Free slots on draining pages, out of the free list until their chunk empties or the drain ends.
+        self._withheld = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._freed_since_check = 0
 
     def _held_blocks(self) -> int:
@@ -293,7 +333,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
 
     def available_size(self) -> int:
         """Logical free slots (backed or not): ``size`` minus the slots SGLang holds."""
-        held = self._backed_tokens - len(self.free_pages) - len(self.release_pages)
+        held = self._backed_tokens - len(self.free_pages) - len(self.release_pages) - len(self._withheld)
         return self.size - held
 
     def elastic_available_size(self) -> int:
@@ -369,18 +409,37 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
             if self._freed_since_check >= self._chunk:
                 self._release_empty_chunks()
 
+    def _follow_drain(self) -> None:
+        """Free slots on draining pages leave the free list (their chunks go back to the ledger as they
+        empty); when no page drains any more, they return to it."""
+        if self._ledger.draining:
+            self.merge_and_sort_free()
+            free = self.free_pages
+            on_draining = torch.zeros(self._num_chunks, dtype=torch.bool)
+            bpp = self._grow_step
+            for page in self._ledger.draining_pages():
+                on_draining[page * bpp : (page + 1) * bpp] = True
+            withhold = on_draining.to(self.device)[free // self._chunk]
+            if bool(withhold.any()):
+                self._withheld = torch.cat((self._withheld, free[withhold]))
+                self.free_pages = free[~withhold]
+            self._release_empty_chunks()
+        elif len(self._withheld):
+            self.free_pages = torch.sort(torch.cat((self.free_pages, self._withheld))).values
+            self._withheld = self._withheld[:0]
+
     def _release_empty_chunks(self) -> None:
         self._freed_since_check = 0
         self.merge_and_sort_free()
-        free = self.free_pages
-        owner = free // self._chunk
-        counts = torch.bincount(owner, minlength=self._num_chunks)
+        free, withheld = self.free_pages, self._withheld
+        counts = torch.bincount(torch.cat((free, withheld)) // self._chunk, minlength=self._num_chunks)
         empty = (counts == self._cap) & self._owned
         chunks = empty.nonzero().flatten()
         if chunks.numel() == 0:
             return
         # Low slots first: backed chunks fill densely, high ones drain and can be returned.
-        self.free_pages = torch.sort(free[~empty[owner]]).values
+        self.free_pages = torch.sort(free[~empty[free // self._chunk]]).values
+        self._withheld = withheld[~empty[withheld // self._chunk]]
         self._owned[chunks] = False
         released = chunks.tolist()
         self._backed_tokens -= int(self._cap_cpu[released].sum())
@@ -450,6 +509,12 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
             self._ledger.free(ids)
             self._owned_pages -= len(ids)
+
+    def _follow_drain(self) -> None:
+        """Pages backed ahead of use go back to the ledger while pages drain (SGLang's frees already go
+        straight to it), so none on a draining page is handed out."""
+        if self._ledger.draining:
+            self.give_back_unused()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's page-aligned ``alloc`` after backing the pages it will take."""

@@ -136,7 +136,14 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
     "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
     "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
-    "sglang.srt.managers.schedule_batch.ScheduleBatch": ("retract_decode", "token_to_kv_pool_allocator"),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": (
+        "retract_decode",
+        "token_to_kv_pool_allocator",
+        "reqs",
+        "_get_decode_retraction_order",
+    ),
+    # Which slots a running request holds (drain.request_blocks reads ``Req.kv``, set per instance).
+    "sglang.srt.managers.schedule_batch.ReqKvInfo": ("req_pool_idx", "kv_allocated_len"),
     _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
     "sglang.srt.mem_cache.kv_cache_configurator": ("HybridReqToTokenPool",),
     _CONFIGURATOR: (
@@ -226,6 +233,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "alloc_extend",
         "alloc_extend_swa_tail",
         "alloc_decode",
+        "translate_loc_from_full_to_swa",
         "free_group_begin",
         "free_group_end",
         "create_prefill_budget",
@@ -263,6 +271,13 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
 # Class (dotted) -> attributes its constructor sets on every instance, read by the plugin. Checked by
 # :func:`check_instance` on the plugin's own subclasses (and on the SGLang objects they are handed).
 INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
+    # What the drain reads of the running scheduler (hooks.follow_scheduler_after; drain.py).
+    "sglang.srt.managers.scheduler.Scheduler": (
+        "running_batch",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+    ),
+    f"{_POOLS}.ReqToTokenPool": ("req_to_token",),
     f"{_POOLS}.MHATokenToKVPool": (
         "size",
         "page_size",

@@ -37,6 +37,9 @@
    over ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` when that bound is set.
 7. ``ScheduleBatch.retract_decode`` (AFTER): the requests SGLang retracted for want of memory are counted
    in the pool's snapshot (``preemptions``), which ``kvctl limit --wait`` reports.
+8. ``Scheduler.__init__`` (AFTER): the scheduler's elastic allocators follow its running requests, so that
+   a lowered limit drains the pages of the requests SGLang retracts first and decode capacity is refused
+   while requests hold slots on draining pages (:mod:`sglang_elastic_kv.drain`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.kv_pool_cls, kv_pool_cls_after, hook_type.AFTER)
     registry.register(seams.paged_allocator_cls, paged_allocator_cls_after, hook_type.AFTER)
     registry.register(seams.scheduler_init, refuse_unserved_before, hook_type.BEFORE)
+    registry.register(seams.scheduler_init, follow_scheduler_after, hook_type.AFTER)
     registry.register(seams.allocator_builder, build_allocator_around, hook_type.AROUND)
     registry.register(seams.hybrid_req_pool_builder, build_hybrid_req_pool_around, hook_type.AROUND)
     registry.register(seams.configure, verify_configured_after, hook_type.AFTER)
@@ -134,6 +138,24 @@ def refuse_unserved_before(scheduler: Any, server_args: Any, *args: Any, **kwarg
     """BEFORE ``Scheduler.__init__``: refuse what the server arguments already show is not served, before
     the scheduler builds workers (SGLang builds a speculative draft worker before the KV pools)."""
     refuse_speculative(server_args.speculative_algorithm)
+
+
+def follow_scheduler_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler.__init__``: every elastic allocator of the scheduler follows its running decode
+    batch (:meth:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin.elastic_follow`)."""
+    from sglang_elastic_kv import compat
+
+    allocator = scheduler.token_to_kv_pool_allocator
+    if not is_elastic_allocator(allocator):
+        return
+    compat.check_instance(scheduler, "sglang.srt.managers.scheduler.Scheduler")
+    compat.check_instance(scheduler.req_to_token_pool, "sglang.srt.mem_cache.memory_pool.ReqToTokenPool")
+
+    def running() -> tuple[Any, Any]:
+        return scheduler.running_batch.reqs, scheduler.req_to_token_pool
+
+    for part in allocator.elastic_parts():
+        part.elastic_follow(running)
 
 
 def build_hybrid_req_pool_around(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:

@@ -86,15 +86,24 @@ class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return
         short = max(0, num_tokens - self.elastic_swa_available_size())
+        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
+            short = max(short, int(tree_cache.evictable_size()))
         if short:
             tree_cache.evict(EvictParams(num_tokens=short, swa_num_tokens=short))
 
     def check_decode_capacity(
         self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
     ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed after eviction; False -> retract."""
+        """Whether the next decode step's ``num_tokens`` can be backed after eviction, and no request must
+        be retracted for the pool's drain; False -> retract."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
+        if self.swa_attn_allocator.elastic_must_retract(requests):
+            return False
         return self.elastic_swa_available_size() >= num_tokens
+
+    def elastic_parts(self) -> tuple[Any, ...]:
+        """The one elastic allocator under both faces."""
+        return (self.swa_attn_allocator,)
 
     # -- once per engine step; idle; sleep ---------------------------------------------------------------
 

@@ -136,6 +136,8 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
                 )
         self.full_attn_allocator = self._elastic(self.full_attn_allocator, size, kvcache.full_kv_pool)
         self.swa_attn_allocator = self._elastic(self.swa_attn_allocator, size_swa, kvcache.swa_kv_pool)
+        # The request-to-token table holds full-attention slots; the SWA side's are mapped from them.
+        self.swa_attn_allocator.elastic_translate = self.translate_loc_from_full_to_swa
         self.clear()  # SGLang's constructor cleared the sub-allocators it built; these start empty too
 
     def _elastic(self, sub: Any, size: int, pool: Any) -> ElasticAllocatorMixin:
@@ -168,7 +170,8 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         return ElasticSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
-        """Evict prefix-cache entries until ``num_tokens`` can be backed on both sides, or nothing is left.
+        """Evict prefix-cache entries until ``num_tokens`` can be backed on both sides, or nothing is left;
+        all of them while either pool is over its limit.
 
         Uses the cache's plain ``evict`` with both shortfalls: its allocation-driven variant measures them
         against the sub-pools' logical sizes, which an elastic pool may satisfy while memory is short.
@@ -177,16 +180,26 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             return
         full_short = max(0, num_tokens - self.elastic_full_available_size())
         swa_short = max(0, num_tokens - self.elastic_swa_available_size())
+        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
+            full_short = max(full_short, int(tree_cache.full_evictable_size()))
+            swa_short = max(swa_short, int(tree_cache.swa_evictable_size()))
         if full_short or swa_short:
             tree_cache.evict(EvictParams(num_tokens=full_short, swa_num_tokens=swa_short))
 
     def check_decode_capacity(
         self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
     ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed on both sides after eviction;
-        False makes SGLang retract requests (``ScheduleBatch.retract_decode``)."""
+        """Whether the next decode step's ``num_tokens`` can be backed on both sides after eviction, and no
+        request must be retracted for either side's drain; False makes SGLang retract requests
+        (``ScheduleBatch.retract_decode``)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
+        if any(sub.elastic_must_retract(requests) for sub in self.elastic_parts()):
+            return False
         return min(self.elastic_full_available_size(), self.elastic_swa_available_size()) >= num_tokens
+
+    def elastic_parts(self) -> tuple[ElasticAllocatorMixin, ...]:
+        """The elastic allocators this composite drives: the full-attention side, then the SWA side."""
+        return (self.full_attn_allocator, self.swa_attn_allocator)
 
     # -- allocation: back both sides first, then SGLang's allocation ------------------------------------
 

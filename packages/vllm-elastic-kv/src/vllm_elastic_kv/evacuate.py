@@ -33,6 +33,7 @@ import logging
 import time
 from typing import Any
 
+from elastic_kv.ledger.drain import order_by_holders
 from vllm.v1.core.sched.scheduler import Scheduler
 
 __all__ = ["drain_order", "vacate_draining_pages"]
@@ -64,27 +65,12 @@ def _holds_draining(scheduler: Any, request: Any) -> bool:
 
 
 def drain_order(scheduler: Any, candidates: list[int]) -> list[int]:
-    """The ledger's ``drain_order`` for vLLM: ``candidates`` (pages in use) ordered so that draining the
-    first ``k`` of them preempts as few requests as vLLM's own order allows. Pages no running request
-    holds come first (only cached blocks: evicted, nobody preempted); then, taking running requests
-    from the last (the ones vLLM would preempt first: least progress) to the first, the pages each one
-    completes -- pages every holder of which is taken by then."""
+    """The ledger's ``drain_order`` for vLLM (:func:`~elastic_kv.ledger.drain.order_by_holders`): running
+    requests taken from the last (the ones vLLM preempts first: least progress) to the first, so that
+    draining the first pages of the order preempts as few requests as vLLM's own order allows."""
     bpp = scheduler.elastic_pool.ledger.geometry.blocks_per_page
-    wanted = set(candidates)
-    holders: dict[int, int] = {}  # page -> running requests holding blocks on it
-    pages_of: list[set[int]] = []
-    for request in reversed(scheduler.running):
-        pages = {b // bpp for b in _block_ids(scheduler, request)} & wanted
-        pages_of.append(pages)
-        for page in pages:
-            holders[page] = holders.get(page, 0) + 1
-    order = [page for page in candidates if page not in holders]
-    for pages in pages_of:
-        for page in sorted(pages):
-            holders[page] -= 1
-            if not holders[page]:
-                order.append(page)
-    return order
+    holdings = ({b // bpp for b in _block_ids(scheduler, request)} for request in reversed(scheduler.running))
+    return order_by_holders(candidates, holdings)
 
 
 def vacate_draining_pages(scheduler: Any) -> int:

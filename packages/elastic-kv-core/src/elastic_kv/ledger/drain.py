@@ -23,9 +23,33 @@ from elastic_kv.ledger.page_book import USED, PageBook
 from elastic_kv.physical import PhysicalAccount
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
-__all__ = ["Drain"]
+__all__ = ["Drain", "order_by_holders"]
 
 logger = logging.getLogger("elastic_kv.ledger")
+
+
+def order_by_holders(candidates: list[int], holdings: Iterable[Iterable[int]]) -> list[int]:
+    """An engine's :attr:`Drain.order`: ``candidates`` (pages in use) ordered so that draining the first
+    ``k`` of them costs as few requests as the engine's own preemption order allows.
+
+    ``holdings`` gives, for each request the engine would preempt (or retract), first preempted first, the
+    pages its blocks lie on. Pages no such request holds come first (only cached blocks are on them:
+    evicted, nobody preempted); then, request by request, the pages whose last holder that request is --
+    the pages that preempting it (after the ones before it) vacates. Candidates never completed are left
+    out (the drain appends them in its own order)."""
+    wanted = set(candidates)
+    pages_of = [set(pages) & wanted for pages in holdings]
+    holders: dict[int, int] = {}
+    for pages in pages_of:
+        for page in pages:
+            holders[page] = holders.get(page, 0) + 1
+    order = [page for page in candidates if page not in holders]
+    for pages in pages_of:
+        for page in sorted(pages):
+            holders[page] -= 1
+            if not holders[page]:
+                order.append(page)
+    return order
 
 
 class Drain:
