@@ -2,8 +2,8 @@
 real allocators and request-to-token table (no engine; the engine tests use ``generate_under_lowered_limit``).
 
 Three running requests hold slots; the limit drops by one page. The ledger drains a page the request
-SGLang retracts first holds alone; decode capacity is refused while two or more requests of the
-batch asked about hold slots there (never for the last one); retracting that request empties the pages,
+SGLang retracts first holds alone; decode capacity is refused while a request SGLang's retraction can
+reach holds slots there (never for the one it keeps longest); retracting that request empties the pages,
 which are unmapped, and the pool is under its limit. Free slots on a draining page are never handed out.
 """
 
@@ -112,6 +112,10 @@ def test_decode_capacity_is_refused_while_two_requests_hold_draining_slots(
     assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=reqs[1:]) is True
     # The last request is never retracted for a drain (SGLang would abort it): it finishes, then drains.
     assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=reqs[:1]) is True
+    # Nor the request SGLang keeps longest (here: the last listed), and a request admitted beside it is not
+    # retracted on its account: retracting that one would vacate nothing.
+    assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=[reqs[1], reqs[0]]) is True
+    assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=[reqs[0], reqs[1]]) is False
 
 
 def test_retracting_the_holder_releases_the_pages_and_meets_the_limit(running: tuple[Any, Batch]) -> None:

@@ -330,6 +330,29 @@ def test_radix_cache_yields_everything_while_the_pool_is_over_its_limit(paged_se
     assert not alloc.elastic_over_limit()
 
 
+def test_retracted_requests_prefixes_are_evicted_while_the_pool_is_over_its_limit(
+    paged_setup: tuple[Any, Any],
+) -> None:
+    """After SGLang retracted requests of a shrinking pool, the prefixes they unlocked are evicted at once
+    (a retracted request admitted again would otherwise match them on the pages being released), and the
+    retractions are counted in the pool's snapshot."""
+    from types import SimpleNamespace
+
+    from sglang_elastic_kv.hooks import retract_decode_after
+
+    pool, alloc = paged_setup
+    ledger = pool.elastic.ledger
+    cache = _radix(alloc, 16)
+    for i in range(4):
+        _insert(cache, alloc, 100 * i, 64)
+    batch = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=cache)
+    retract_decode_after((["r1", "r2"], 0.5, []), batch)  # within the limit: the cache keeps its entries
+    assert cache.evictable_size() == 256 and ledger.preemptions == 2
+    ledger.resize(ledger.charged_bytes - 1)
+    retract_decode_after((["r3"], 0.5, []), batch)
+    assert cache.evictable_size() == 0 and ledger.used_blocks == 0 and ledger.preemptions == 3
+
+
 # -- hooks ------------------------------------------------------------------------------------------------
 
 

@@ -224,7 +224,8 @@ def generate_under_lowered_limit(
     engine: EngineProcess, registry_dir: Path, name: str, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Start ``prompts`` on ``engine``; once the batch holds more than two pages' worth of blocks of pool
-    ``name``, ``kvctl limit NAME SIZE --wait`` lowers that pool's limit to one page below what it holds.
+    ``name``, ``kvctl limit NAME SIZE --wait`` lowers that pool's limit to one page below the pages that
+    hold its live blocks.
 
     Returns the outputs after checking that the limit was met in bounded time *while the batch still
     ran* (SGLang retracted the requests holding slots on the pages being released, and kvctl reported the
@@ -239,8 +240,12 @@ def generate_under_lowered_limit(
     )
     worker.start()
     try:
-        settled_snapshot(registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120)
-        limit = registry.pool(name).charged_bytes - page_bytes
+        grown = settled_snapshot(
+            registry_dir, name, lambda s: s.used_blocks > 2 * s.blocks_per_page, timeout_s=120
+        )
+        # One page fewer than the pages holding live blocks: releasing the reserve is not enough.
+        in_use = grown.mapped_pages - grown.reserve_pages - grown.pending_pages - grown.inflight_pages
+        limit = (in_use - 1) * page_bytes
         lowered = kvctl(registry_dir, "limit", name, str(limit), "--wait", "120")
         ran_on = worker.is_alive()
         charges = []

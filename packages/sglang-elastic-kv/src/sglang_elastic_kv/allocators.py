@@ -124,7 +124,7 @@ class ElasticAllocatorMixin:
     def elastic_follow(self, running: drain.RunningRequests) -> None:
         """Steer a lowered limit's drain by the scheduler's ``running`` requests (:mod:`.drain`): the ledger
         chooses the pages the requests SGLang retracts first hold, and decode capacity is refused while
-        two or more requests hold slots on draining pages."""
+        requests SGLang's retraction can reach hold slots on draining pages."""
         self._running = running
         self._ledger.drain_order = functools.partial(drain.drain_order, self, running)
 
@@ -134,10 +134,10 @@ class ElasticAllocatorMixin:
 
     def elastic_must_retract(self, requests: Any) -> bool:
         """Whether SGLang should retract one of ``requests`` (the decode batch, or what its retraction loop
-        keeps) for the drain: two or more of them, and one holds a slot on a draining page."""
-        if self._running is None or requests is None or len(requests) < 2 or not self._ledger.draining:
+        keeps) for the drain (:func:`.drain.must_retract`)."""
+        if self._running is None or requests is None:
             return False
-        return drain.holds_draining(self, requests, self._running()[1])
+        return drain.must_retract(self, requests, self._running()[1])
 
     def elastic_note_retracted(self, requests: int) -> None:
         """SGLang retracted ``requests`` decode requests (their KV freed, to be recomputed): counted as

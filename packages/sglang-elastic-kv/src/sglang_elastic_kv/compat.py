@@ -140,6 +140,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "retract_decode",
         "token_to_kv_pool_allocator",
         "reqs",
+        "tree_cache",
         "_get_decode_retraction_order",
     ),
     # Which slots a running request holds (drain.request_blocks reads ``Req.kv``, set per instance).

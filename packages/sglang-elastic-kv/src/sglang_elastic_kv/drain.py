@@ -9,12 +9,14 @@ on. SGLang frees them through its own decode retraction (``ScheduleBatch.retract
   retraction order (``ScheduleBatch._get_decode_retraction_order``: the retraction loop pops requests
   from the end of that list), so that the pages chosen are the ones the requests SGLang retracts first
   hold, and as few requests as possible are retracted;
-* the allocators' ``check_decode_capacity`` answers False while two or more of the requests it is asked
-  about hold slots on a draining page (:func:`holds_draining`), so the scheduler's next decode step
-  retracts requests from the end of its order until none of those left holds one. The last request is
-  never retracted for a drain (SGLang aborts a last request that does not fit; its pages drain when it
-  finishes), and cached prefix entries on draining pages are evicted while the pool is over its limit
-  (the ``release_kv_cache`` hook, the allocators' eviction).
+* the allocators' ``check_decode_capacity`` answers False while a request it is asked about holds slots
+  on a draining page, other than the first of SGLang's retraction order (:func:`must_retract`), so the
+  scheduler's next decode step retracts requests from the end of its order until none of those left
+  does. That first request is never retracted for a drain (SGLang keeps at least one request and aborts
+  a last one that does not fit): the pages it holds drain when it finishes, and requests admitted
+  meanwhile are not retracted on its account. Cached prefix entries on draining pages are evicted while
+  the pool is over its limit (the ``release_kv_cache`` and ``retract_decode`` hooks, the allocators'
+  eviction), so a retracted request admitted again does not match its prefix there.
 
 Retracted requests go back to SGLang's waiting queue and are recomputed once admission (which sees only
 what the pool can back under its limit) lets them in again, so their greedy tokens are unchanged. A slot
@@ -34,7 +36,14 @@ from typing import Any
 import torch
 from elastic_kv.ledger.drain import order_by_holders
 
-__all__ = ["RunningRequests", "drain_order", "holds_draining", "request_blocks", "retraction_order"]
+__all__ = [
+    "RunningRequests",
+    "drain_order",
+    "holds_draining",
+    "must_retract",
+    "request_blocks",
+    "retraction_order",
+]
 
 # What a scheduler is running now: its decode batch's requests and its request-to-token pool.
 RunningRequests = Callable[[], tuple[Sequence[Any], Any]]
@@ -67,6 +76,17 @@ def holds_draining(allocator: Any, requests: Iterable[Any], req_to_token: Any) -
     rows = int(allocator._elastic_pool.rows_per_block)
     translate = allocator.elastic_translate
     return any(ledger.holds_draining(request_blocks(req_to_token, r, rows, translate)) for r in requests)
+
+
+def must_retract(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> bool:
+    """Whether SGLang's retraction loop should go on for ``allocator``'s drain: a request of ``requests``
+    holds a slot on a draining page, other than the one request the loop never retracts (the first of
+    SGLang's retraction order). Retracting others would not vacate that one's pages: they drain when it
+    finishes."""
+    if len(requests) < 2 or not allocator._ledger.draining:
+        return False
+    kept = retraction_order(requests)[0]
+    return holds_draining(allocator, (r for i, r in enumerate(requests) if i != kept), req_to_token)
 
 
 def retraction_order(requests: Sequence[Any]) -> list[int]:

@@ -36,7 +36,8 @@
    lowered it below use: cached entries would otherwise keep their pages backed for good), else the excess
    over ``ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS`` when that bound is set.
 7. ``ScheduleBatch.retract_decode`` (AFTER): the requests SGLang retracted for want of memory are counted
-   in the pool's snapshot (``preemptions``), which ``kvctl limit --wait`` reports.
+   in the pool's snapshot (``preemptions``), which ``kvctl limit --wait`` reports; while the pool is over
+   its limit, the prefixes they unlocked are evicted at once (as in 6.).
 8. ``Scheduler.__init__`` (AFTER): the scheduler's elastic allocators follow its running requests, so that
    a lowered limit drains the pages of the requests SGLang retracts first and decode capacity is refused
    while requests hold slots on draining pages (:mod:`sglang_elastic_kv.drain`).
@@ -311,10 +312,17 @@ def release_kv_cache_after(
 ) -> None:
     """After a release, evict (LRU first) everything evictable from the prefix cache while its pool is over
     its limit, else what it holds beyond ``max_cached_tokens`` (0: no bound)."""
+    _evict_cached(tree_cache, max_cached_tokens)
+
+
+def _evict_cached(tree_cache: Any, max_cached_tokens: int = 0) -> None:
+    """Evict everything evictable while the cache's pool is over its limit (cached entries would keep
+    draining pages backed, and a retracted request would match its own prefix there again), else the
+    excess over ``max_cached_tokens`` (0: no bound)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     if tree_cache is None or not tree_cache.supports_prefix_sharing():
-        return None
+        return
     evictable = int(tree_cache.evictable_size())
     allocator: Any = tree_cache.token_to_kv_pool_allocator
     if evictable and is_elastic_allocator(allocator) and allocator.elastic_over_limit():
@@ -323,7 +331,6 @@ def release_kv_cache_after(
         excess = evictable - max_cached_tokens if max_cached_tokens > 0 else 0
     if excess > 0:
         tree_cache.evict(EvictParams(num_tokens=excess))
-    return None
 
 
 def retract_decode_after(result: Any, batch: Any, *a: Any, **k: Any) -> None:
@@ -332,3 +339,6 @@ def retract_decode_after(result: Any, batch: Any, *a: Any, **k: Any) -> None:
     allocator: Any = getattr(batch, "token_to_kv_pool_allocator", None)
     if result and result[0] and is_elastic_allocator(allocator):
         allocator.elastic_note_retracted(len(result[0]))
+        # The retracted requests unlocked their cached prefixes: while the pool shrinks, those go now,
+        # before the requests are admitted again and would match them on the pages being released.
+        _evict_cached(batch.tree_cache)
