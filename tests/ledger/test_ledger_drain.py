@@ -182,6 +182,8 @@ def test_order_by_holders_drains_what_the_first_preemptions_vacate() -> None:
     # request holds (cached blocks only). Preempting the first vacates nothing (page 3 keeps a holder);
     # preempting the second then vacates pages 2 and 3; the third, page 1.
     assert order_by_holders([1, 2, 3, 4], [{3}, {2, 3}, {1, 5}]) == [4, 2, 3, 1]
+    # Pages one preemption vacates together keep the candidates' order (the drain's preference).
+    assert order_by_holders([3, 2, 1, 4], [{3}, {2, 3}, {1, 5}]) == [4, 3, 2, 1]
     # Candidates held by a request not listed are never completed: left to the drain's own order.
     assert order_by_holders([1, 2], [{1}]) == [2, 1]
     assert order_by_holders([7, 8], []) == [7, 8]

@@ -35,8 +35,8 @@ def order_by_holders(candidates: list[int], holdings: Iterable[Iterable[int]]) -
     ``holdings`` gives, for each request the engine would preempt (or retract), first preempted first, the
     pages its blocks lie on. Pages no such request holds come first (only cached blocks are on them:
     evicted, nobody preempted); then, request by request, the pages whose last holder that request is --
-    the pages that preempting it (after the ones before it) vacates. Candidates never completed are left
-    out (the drain appends them in its own order)."""
+    the pages that preempting it (after the ones before it) vacates, in the candidates' order among
+    themselves. Candidates never completed are left out (the drain appends them in its own order)."""
     wanted = set(candidates)
     pages_of = [set(pages) & wanted for pages in holdings]
     holders: dict[int, int] = {}
@@ -44,8 +44,9 @@ def order_by_holders(candidates: list[int], holdings: Iterable[Iterable[int]]) -
         for page in pages:
             holders[page] = holders.get(page, 0) + 1
     order = [page for page in candidates if page not in holders]
+    rank = {page: i for i, page in enumerate(candidates)}
     for pages in pages_of:
-        for page in sorted(pages):
+        for page in sorted(pages, key=rank.__getitem__):  # the drain's own preference among equals
             holders[page] -= 1
             if not holders[page]:
                 order.append(page)
