@@ -16,6 +16,9 @@ import pytest
 from tests.support.models import tiny_model
 from tests.support.sglang_engine import plugin_installed
 
+# The data plane's page size in the in-process unit tests (the host backend's granularity is 4 KiB).
+UNIT_SLOT = 64 << 10
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
@@ -31,3 +34,18 @@ def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("registry")
     path.chmod(0o700)
     return path
+
+
+@pytest.fixture
+def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    """The plugin's environment for pools built in this process by a unit test: elastic, ``UNIT_SLOT``
+    pages, a private registry in the test's temporary directory, and no reserve kept, refilled or mapped
+    ahead, so mapped bytes follow the blocks exactly. Modules add their own settings on top."""
+    tmp_path.chmod(0o700)
+    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
+    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(UNIT_SLOT))
+    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
+    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
+    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
+    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
+    return monkeypatch

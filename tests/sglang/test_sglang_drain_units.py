@@ -10,7 +10,6 @@ which are unmapped, and the pool is under its limit. Free slots on a draining pa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,26 +18,19 @@ import torch
 
 pytestmark = pytest.mark.sglang
 
-SLOT = 64 << 10
 H, D, LAYERS = 2, 32, 2
 SIZE = 8192
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(SLOT))
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
+def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The plugin's unit-test environment (conftest ``plugin_env``), 64-slot chunks at page_size 1."""
+    plugin_env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
     # SGLang's retraction order reads the scheduler's published settings; here: keep the last request
     # longest, retract the first first -- not the pages the ledger would pick alone (the most recently
     # mapped among the emptiest), so the engine's order is seen to decide.
-    monkeypatch.setattr("sglang_elastic_kv.drain.retraction_order", lambda reqs: list(range(len(reqs)))[::-1])
-    return monkeypatch
+    plugin_env.setattr("sglang_elastic_kv.drain.retraction_order", lambda reqs: list(range(len(reqs)))[::-1])
+    return plugin_env
 
 
 def _allocator(page_size: int) -> Any:

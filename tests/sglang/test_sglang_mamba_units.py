@@ -14,22 +14,14 @@ from elastic_kv.errors import ConfigError
 
 pytestmark = pytest.mark.sglang
 
-SLOT = 64 << 10
 LAYERS = [0, 1, 2]
 MAMBA_SLOTS = 64
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    """Plugin environment (private registry); no reserve, so mapped bytes follow the slots exactly."""
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(SLOT))
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
-    return monkeypatch
+def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The plugin's unit-test environment (conftest ``plugin_env``)."""
+    return plugin_env
 
 
 def _cache_params() -> Any:

@@ -26,7 +26,6 @@ def _configurator(algorithm: str = "NONE") -> Any:
     return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
 
 
-SLOT = 64 << 10
 H, D = 2, 32
 SWA_LAYERS, FULL_LAYERS = [0, 1, 2], [3]
 SIZE, SIZE_SWA = 4096, 2048
@@ -34,19 +33,11 @@ NAME = "swa-unit"
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    """Plugin environment for pools built in this process (registry in a private temporary directory)."""
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(SLOT))
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_KV_POOL_NAME", NAME)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
-    # Exact mapped-byte checks: no reserve kept or refilled, emptied pages are unmapped once released.
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
-    return monkeypatch
+def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The plugin's unit-test environment, pool ``NAME``, 64-slot chunks."""
+    plugin_env.setenv("ELASTIC_KV_POOL_NAME", NAME)
+    plugin_env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
+    return plugin_env
 
 
 def _swa_pool(page_size: int, pool_cls: Any = None, **kwargs: Any) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,23 +23,14 @@ def _configurator(algorithm: str = "NONE") -> Any:
     return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
 
 
-SLOT = 64 << 10
 H, D, LAYERS = 2, 32, 2
 ROW = H * D * 4  # bytes of one token's K (or V) row in one layer
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    """Plugin environment for pools built in this process (registry in a private temporary directory)."""
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(SLOT))
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    # Exact mapped-byte checks: no reserve kept or refilled, emptied pages are unmapped at once.
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
-    return monkeypatch
+def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The plugin's unit-test environment (conftest ``plugin_env``)."""
+    return plugin_env
 
 
 def _pools(size: int, page_size: int) -> tuple[Any, Any]:
