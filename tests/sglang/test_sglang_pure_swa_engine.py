@@ -25,6 +25,7 @@ from tests.support.sglang_engine import (
     generate_under_lowered_limit,
     generate_watching_peaks,
     plugin_installed,
+    reference_outputs,
     settled_snapshot,
     start_engine,
 )
@@ -66,13 +67,7 @@ def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
 def reference(model: Path) -> dict[str, list[list[int]]]:
     """Native outputs (the plugin installed, not enabled)."""
     with _start("pure-swa-native", model, "native") as eng:
-        out = {
-            "prompts": eng.generate(PROMPTS, max_new_tokens=NEW),
-            "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
-        }
-        log = eng.log_path.read_text()
-        assert "Traceback" not in log and "memory leak detected" not in log
-    return out
+        return reference_outputs(eng, {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW)})
 
 
 @pytest.fixture(scope="module")

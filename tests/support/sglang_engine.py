@@ -192,6 +192,17 @@ def start_engine(
     )
 
 
+def reference_outputs(
+    engine: EngineProcess, runs: Mapping[str, tuple[list[list[int]], int]]
+) -> dict[str, list[list[int]]]:
+    """``engine``'s greedy outputs for each named run (prompts, new tokens per prompt); then its log must
+    show no traceback and no leak report."""
+    out = {key: engine.generate(prompts, max_new_tokens=new) for key, (prompts, new) in runs.items()}
+    log = engine.log_path.read_text()
+    assert "Traceback" not in log and "memory leak detected" not in log
+    return out
+
+
 def settled_snapshot(
     registry_dir: Path,
     name: str,
