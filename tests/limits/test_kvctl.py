@@ -254,3 +254,31 @@ def test_top_draws_a_table(kvctl: Kvctl, two_pools: tuple[PoolProcess, PoolProce
     assert done.returncode == 0, done.stderr
     for text in ("devices", "pools", "llama", "qwen", "cuda:0", "3.00 GiB", "700/4096", "90%", "starting"):
         assert text in done.stdout, text
+
+
+def test_a_pool_that_cannot_follow_a_limit_refuses_one(kvctl: Kvctl, registry_dir: Path) -> None:
+    """SGLang's Mamba state pool: its engine fails where it cannot get a state slot, so its record follows
+    no limit; kvctl says so in one line and changes nothing, and lists it as budget-only."""
+    from elastic_kv.registry import LimitNotFollowedError, PoolRecord
+
+    with PoolRecord.create(
+        "gdn-mamba", device="cpu", engine="sglang", model="mamba-2l", limit_bytes=0,
+        registry_dir=registry_dir, follows_limit=False,
+    ):  # fmt: skip
+        done = kvctl("limit", "gdn-mamba", "1G")
+        assert done.returncode == EXIT_BAD_ARGUMENT, (done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and "cannot follow a limit" in done.stderr, done.stderr
+        assert "limit the engine's KV cache pool instead" in done.stderr
+        registry = Registry(registry_dir)
+        assert registry.pool("gdn-mamba").limit_bytes == 0 and registry.pool("gdn-mamba").limit_revision == 0
+        with pytest.raises(LimitNotFollowedError):
+            registry.set_limit("gdn-mamba", 1 << 30)
+        assert registry.set_limit("gdn-mamba", 0).limit_bytes == 0  # "unlimited" is what it follows
+        assert "none (budget only)" in kvctl("list").stdout
+        listed = json.loads(kvctl("list", "--json").stdout)["pools"]
+        assert [p["follows_limit"] for p in listed] == [False]
+    with pytest.raises(ValueError, match="follows no limit"):
+        PoolRecord.create(
+            "gdn-mamba", device="cpu", engine="sglang", model="m", limit_bytes=1 << 20,
+            registry_dir=registry_dir, follows_limit=False,
+        )  # fmt: skip

@@ -169,12 +169,13 @@ def test_ping_pong_tracking_slots_are_elastic_too(env: pytest.MonkeyPatch) -> No
         pool.mamba_pool.elastic.close()
 
 
-def test_slots_under_a_limit_fail_cleanly_and_report_what_can_be_backed(
+def test_slots_beyond_the_budget_fail_cleanly_and_the_pool_refuses_a_limit(
     env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``ELASTIC_KV_LIMIT`` does not apply to the state pool (SGLang cannot act on it); a limit set on it
-    later (``kvctl``) bounds what is backed: allocation beyond it fails with nothing taken."""
-    from elastic_kv.registry import Registry
+    """``ELASTIC_KV_LIMIT`` does not apply to the state pool and its record refuses a ``kvctl`` limit
+    (SGLang fails where it cannot get a state slot); the device budget still bounds what is backed:
+    allocation beyond it fails with nothing taken."""
+    from elastic_kv.registry import LimitNotFollowedError, Registry
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
 
     env.setenv("ELASTIC_KV_LIMIT", str(1 << 20))
@@ -183,9 +184,12 @@ def test_slots_under_a_limit_fail_cleanly_and_report_what_can_be_backed(
     ledger = pool.mamba_pool.elastic.ledger
     assert ledger.snapshot().limit_bytes == 0
     page_bytes = pool.mamba_pool.elastic.geometry.page_bytes
-    Registry(tmp_path).set_limit("sglang-mamba", 3 * page_bytes)
-    ledger.maintain()  # the ledger reads its limit from the registry
-    assert ledger.snapshot().limit_bytes == 3 * page_bytes
+    registry = Registry(tmp_path)
+    assert registry.pool("sglang-mamba").follows_limit is False
+    with pytest.raises(LimitNotFollowedError, match="cannot follow a limit"):
+        registry.set_limit("sglang-mamba", 3 * page_bytes)
+    registry.set_budget(pool.mamba_pool.elastic.record.device, 3 * page_bytes)
+    ledger.maintain()
     try:
         assert alloc.available_size() == MAMBA_SLOTS  # logical, for SGLang's idle leak check
         backable = alloc.schedulable_available_size()

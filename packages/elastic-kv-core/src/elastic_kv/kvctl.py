@@ -82,7 +82,7 @@ def _pool_row(pool: PoolInfo) -> list[str]:
         pool.engine,
         pool.model,
         str(pool.pid),
-        _limit_text(pool.limit_bytes),
+        _limit_text(pool.limit_bytes) if pool.follows_limit else "none (budget only)",
         format_bytes(pool.charged_bytes),
         mapped,
         reserve,
@@ -187,7 +187,7 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
     if over and args.wait <= 0:
         out.write(
             "the pool holds more than that now: it stops growing, and the engine frees the pages to be "
-            "released (vLLM preempts the requests holding blocks on them)\n"
+            "released (vLLM preempts, SGLang retracts the requests holding blocks on them)\n"
         )
     if args.wait > 0 and over:
         return _wait_under_limit(registry, pool, updated, args.wait, out)

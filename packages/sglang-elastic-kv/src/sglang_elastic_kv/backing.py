@@ -102,15 +102,16 @@ class ElasticBacking:
         config: PluginConfig,
         label: str,
         part: str | None = None,
-        start_limit: bool = True,
+        follows_limit: bool = True,
     ) -> ElasticBacking:
         """Reserve the spaces for ``buffers`` and build the ledger over ``num_blocks`` blocks.
 
         ``families`` say where each block lives (see :class:`BlockFamily`); block 0 is the padding
         block SGLang writes dummy tokens to and stays backed. ``part`` names one of several pools of one
         engine (SGLang's hybrid SWA pool has a ``full`` and an ``swa`` part): its registry name is
-        ``<ELASTIC_KV_POOL_NAME or sglang>-<part>``. ``start_limit=False`` starts the pool without the
-        ``ELASTIC_KV_LIMIT`` byte limit (a pool whose engine cannot act on a limit). Raises ConfigError
+        ``<ELASTIC_KV_POOL_NAME or sglang>-<part>``. ``follows_limit=False``: a pool whose engine cannot act
+        on a limit: it starts without the ``ELASTIC_KV_LIMIT`` byte limit and its record refuses one from
+        ``kvctl`` (``PoolInfo.follows_limit``; the device budget still applies). Raises ConfigError
         when the layout cannot be served (e.g. a block larger than the largest logical page the config
         allows).
         """
@@ -132,7 +133,7 @@ class ElasticBacking:
             # Room for what the engines allocate outside their KV cache during a burst.
             if "ELASTIC_KV_MIN_FREE" not in config.pool_environ:
                 defaults["min_free_bytes"] = default_min_free_bytes(int(total))
-        if not start_limit:
+        if not follows_limit:
             defaults["limit_bytes"] = 0
         pool_config = config.pool_config(**defaults)
         geometry = BlockGeometry(
@@ -157,6 +158,7 @@ class ElasticBacking:
             registry_dir=pool_config.registry_dir,
             device_total_bytes=total,
             suffix_if_taken=pool_config.pool_name is None,
+            follows_limit=follows_limit,
         )
         try:
             ledger = Ledger(

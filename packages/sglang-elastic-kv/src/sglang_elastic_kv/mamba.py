@@ -18,8 +18,9 @@ slot padded rows write to. Here:
 * The state pool is bounded by SGLang's own slot count (``--max-mamba-cache-size``), which its admission
   respects (it caps running requests by it); ``ELASTIC_KV_LIMIT`` is not applied to it, because SGLang
   0.5.23 treats a state slot it cannot get as fatal (an assertion in ``HybridReqToTokenPool.alloc``), so
-  a byte limit below the live states' need could only crash the engine. A limit set later with ``kvctl``
-  makes the ledger refuse to back new slots, with that same outcome.
+  a byte limit below the live states' need could only crash the engine. For the same reason its registry
+  record follows no limit: ``kvctl limit`` on ``<name>-mamba`` is refused in one line (the device budget
+  still counts the pool).
 * :class:`ElasticHybridReqToTokenPool` is SGLang's ``HybridReqToTokenPool`` with both of them. The
   hook on ``KVCacheConfigurator._build_hybrid_req_pool`` makes SGLang build it with its own arguments.
 
@@ -126,7 +127,7 @@ class ElasticMambaPool(MambaPool):
             part="mamba",
             # SGLang sizes running requests by the pool's slot count and treats a slot it cannot get as
             # fatal; it cannot defer or retract for a byte limit here, so ELASTIC_KV_LIMIT does not apply.
-            start_limit=False,
+            follows_limit=False,
         )
         views = [
             self.elastic.view(index, 0, (t.shape[0], slots, *t.shape[2:]), t.dtype)

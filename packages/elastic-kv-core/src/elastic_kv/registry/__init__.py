@@ -21,6 +21,7 @@ from elastic_kv.registry.shares import DeviceShare, create_shares
 from elastic_kv.registry.view import (
     DeviceInfo,
     LatencyHistogram,
+    LimitNotFollowedError,
     PoolInfo,
     Registry,
     UnknownDeviceError,
@@ -35,6 +36,7 @@ __all__ = [
     "DeviceInfo",
     "DeviceShare",
     "LatencyHistogram",
+    "LimitNotFollowedError",
     "PoolInfo",
     "PoolRecord",
     "RecordEvents",

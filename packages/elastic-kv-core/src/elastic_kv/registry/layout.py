@@ -24,6 +24,7 @@ from typing import TypeAlias
 __all__ = [
     "HISTOGRAM_BOUNDS",
     "LATENCY_OPS",
+    "RECORD_NO_LIMIT",
     "SNAPSHOT_INT_FIELDS",
     "UNLIMITED",
     "DeviceLayout",
@@ -43,6 +44,9 @@ WriteBuffer: TypeAlias = bytearray | memoryview | mmap.mmap
 
 # A limit or budget of 0 means "no limit" (the same convention as PoolSnapshot.limit_bytes).
 UNLIMITED = 0
+
+# RecordLayout.flags: the pool's engine cannot follow a limit on it (kvctl refuses one; budgets still apply).
+RECORD_NO_LIMIT = 1
 
 # Latency operations a pool records (PoolRecord.observe) and the upper bounds of their histogram buckets,
 # in seconds. Fixed by the layout version: a record written with other bounds would be misread. A page
@@ -227,6 +231,8 @@ class RecordLayout:
     # Per latency op: observation count, sum of seconds, one count per bucket (non-cumulative, +Inf last).
     hist_count, hist_sum, hist_buckets = _c.histograms(len(LATENCY_OPS), len(HISTOGRAM_BOUNDS) + 1)
     stats_end = _c.offset
+    # Set when the record is created (RECORD_NO_LIMIT ...); 0 in records of writers that predate it.
+    flags = _c.integer("Q")
     del _c
 
 

@@ -53,6 +53,7 @@ from elastic_kv.registry.files import (
 from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
+    RECORD_NO_LIMIT,
     SNAPSHOT_INT_FIELDS,
     UNLIMITED,
     RecordLayout,
@@ -129,7 +130,14 @@ class _Owned:
 
 
 def _initial_record(
-    name: str, device: str, engine: str, model: str, limit_bytes: int, token: int, owner: ProcessIdentity
+    name: str,
+    device: str,
+    engine: str,
+    model: str,
+    limit_bytes: int,
+    token: int,
+    owner: ProcessIdentity,
+    flags: int,
 ) -> bytes:
     buf = bytearray(RecordLayout.SIZE)
     RecordLayout.magic.put(buf, RecordLayout.MAGIC)
@@ -146,6 +154,7 @@ def _initial_record(
     RecordLayout.device.put(buf, device)
     RecordLayout.engine.put(buf, engine)
     RecordLayout.model.put(buf, model)
+    RecordLayout.flags.put(buf, flags)
     return bytes(buf)
 
 
@@ -186,6 +195,7 @@ class PoolRecord:
         registry_dir: Path | None = None,
         device_total_bytes: int = 0,
         suffix_if_taken: bool = False,
+        follows_limit: bool = True,
     ) -> PoolRecord:
         """Register a new pool and return its record, owned by this process.
 
@@ -200,6 +210,8 @@ class PoolRecord:
             device_total_bytes: the device's memory size, if known (``kvctl`` uses it for percentages).
             suffix_if_taken: if ``name`` belongs to a live pool, use ``name-2``, ``name-3``, ... instead of
                 failing. For names the plugin derives itself; an explicit user name must stay exact.
+            follows_limit: False for a pool whose engine cannot act on a limit (it would fail instead):
+                ``Registry.set_limit`` and ``kvctl limit`` refuse to set one. The device budget still applies.
 
         Raises:
             ValueError: malformed name or device, negative limit.
@@ -210,6 +222,9 @@ class PoolRecord:
         check_device_name(device)
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes must be >= 0 (0 = unlimited), got {limit_bytes}")
+        if limit_bytes and not follows_limit:
+            raise ValueError(f"pool {name!r} follows no limit, got limit_bytes={limit_bytes}")
+        flags = 0 if follows_limit else RECORD_NO_LIMIT
         config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
         directory = ensure_private_directory(config.directory)
         owner = ProcessIdentity.current()
@@ -219,7 +234,7 @@ class PoolRecord:
             with registry_lock(config):
                 reclaim_dead_locked(config)  # a dead owner's record must not block its name
                 chosen, fd, token = cls._publish_record(
-                    directory, name, device, engine, model, limit_bytes, owner, suffix_if_taken
+                    directory, name, device, engine, model, limit_bytes, owner, suffix_if_taken, flags
                 )
                 path = directory / f"{chosen}.pool"
                 try:
@@ -255,6 +270,7 @@ class PoolRecord:
         limit_bytes: int,
         owner: ProcessIdentity,
         suffix_if_taken: bool,
+        flags: int,
     ) -> tuple[str, int, int]:
         """Create the record file under the first free name; (name, locked descriptor, token)."""
         token = secrets.randbits(63) | 1  # never 0: 0 marks a free device slot
@@ -263,7 +279,7 @@ class PoolRecord:
             candidate = name if n == 1 else f"{name}-{n}"
             if n > 1:
                 check_pool_name(candidate)
-            content = _initial_record(candidate, device, engine, model, limit_bytes, token, owner)
+            content = _initial_record(candidate, device, engine, model, limit_bytes, token, owner, flags)
             fd = create_file(directory, f"{candidate}.pool", content, keep_locked=True)
             if fd is not None:
                 return candidate, fd, token

@@ -37,7 +37,9 @@ from elastic_kv.registry.files import (
 from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
+    RECORD_NO_LIMIT,
     SNAPSHOT_INT_FIELDS,
+    UNLIMITED,
     IntField,
     RecordLayout,
 )
@@ -46,6 +48,7 @@ from elastic_kv.snapshot import PoolSnapshot, PoolState
 __all__ = [
     "DeviceInfo",
     "LatencyHistogram",
+    "LimitNotFollowedError",
     "PoolInfo",
     "Registry",
     "UnknownDeviceError",
@@ -62,6 +65,10 @@ _SEQLOCK_RETRIES = 100
 
 class UnknownPoolError(ValueError):
     """No live pool has this name (it never existed, was closed, or its owner died)."""
+
+
+class LimitNotFollowedError(ValueError):
+    """A limit was asked of a pool whose engine cannot follow one (``PoolInfo.follows_limit`` False)."""
 
 
 class UnknownDeviceError(ValueError):
@@ -114,6 +121,7 @@ class PoolInfo:
     charged_bytes: int  # physical bytes charged against the limit and the device budget
     snapshot: PoolSnapshot | None
     latency: tuple[LatencyHistogram, ...]
+    follows_limit: bool = True  # False: the engine cannot act on a limit, so none can be set
 
     @property
     def reserved_bytes(self) -> int:
@@ -130,6 +138,7 @@ class PoolInfo:
             "pid": self.pid,
             "created_at": self.created_at,
             "limit_bytes": self.limit_bytes,
+            "follows_limit": self.follows_limit,
             "limit_revision": self.limit_revision,
             "trim_revision": self.trim_revision,
             "charged_bytes": self.charged_bytes,
@@ -230,6 +239,7 @@ def read_record(fd: int) -> PoolInfo | None:
         charged_bytes=RecordLayout.charged_bytes.get(raw),
         snapshot=snapshot,
         latency=latency,
+        follows_limit=not RecordLayout.flags.get(raw) & RECORD_NO_LIMIT,
     )
 
 
@@ -413,10 +423,16 @@ class Registry:
 
         Ordered with every charge (device lock): a charge that starts after this returns sees the new
         limit. The owner learns of it through ``PoolRecord.poll``. ``ValueError`` if negative,
-        :class:`UnknownPoolError` if no such live pool.
+        :class:`UnknownPoolError` if no such live pool, :class:`LimitNotFollowedError` if the pool's
+        engine cannot follow a limit (``PoolInfo.follows_limit``).
         """
         if limit_bytes < 0:
             raise ValueError(f"limit must be >= 0 bytes (0 = unlimited), got {limit_bytes}")
+        if limit_bytes != UNLIMITED and not self.pool(name).follows_limit:
+            raise LimitNotFollowedError(
+                f"pool {name!r} cannot follow a limit: its engine would fail where it cannot get memory "
+                "(it still counts against its device's budget; limit the engine's KV cache pool instead)"
+            )
         return self._update_record(name, RecordLayout.limit_bytes, limit_bytes, RecordLayout.limit_revision)
 
     def request_trim(self, name: str) -> PoolInfo:
