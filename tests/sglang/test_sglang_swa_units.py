@@ -345,3 +345,44 @@ def test_non_elastic_or_mla_sub_pools_are_refused(env: pytest.MonkeyPatch) -> No
             ElasticSWATokenToKVPoolAllocator(SIZE, SIZE_SWA, 1, torch.float32, "cpu", mixed, False)
     finally:
         _close(mixed)
+
+
+def test_a_drain_of_the_sliding_window_side_reaches_the_requests_through_the_slot_map(
+    swa: tuple[Any, Any], env: pytest.MonkeyPatch
+) -> None:
+    """The request-to-token table holds full-attention slots; a drain of the sliding-window pool finds the
+    requests holding its draining pages through SGLang's full-to-SWA slot map (``sglang_elastic_kv.drain``),
+    and decode capacity is refused until SGLang's retraction reaches them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang_elastic_kv.hooks import follow_scheduler_after
+
+    # SGLang's retraction order (published settings in a scheduler): the first request is retracted first.
+    env.setattr("sglang_elastic_kv.drain.retraction_order", lambda reqs: list(range(len(reqs)))[::-1])
+    pool, alloc = swa
+    # A long request whose tokens all left the window keeps 512 full-attention slots and no SWA slot, so
+    # the requests below get full and SWA slots that differ (the map is not the identity).
+    long = _alloc(alloc, [512])
+    assert long is not None
+    alloc.free_swa(long)
+    table = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    reqs = []
+    for i in range(3):
+        slots = _alloc(alloc, [512])  # two SWA pages' worth each
+        assert slots is not None
+        table.write((i, slice(0, 512)), slots.to(torch.int32))
+        reqs.append(SimpleNamespace(kv=ReqKvInfo(req_pool_idx=i, kv_allocated_len=512)))
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=reqs), req_to_token_pool=table
+    )
+    follow_scheduler_after(None, scheduler)
+    full_ledger, swa_ledger = _ledgers(pool)
+    assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=reqs) is True
+    swa_ledger.resize(swa_ledger.charged_bytes - swa_ledger.geometry.page_bytes)
+    alloc.free_group_begin()
+    alloc.free_group_end()  # a step's housekeeping: the SWA side's ledger sees its limit and drains
+    assert swa_ledger.draining and not full_ledger.draining
+    assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=reqs) is False
+    assert alloc.check_decode_capacity(num_tokens=0, tree_cache=None, requests=reqs[1:]) is True

@@ -30,7 +30,7 @@ over-limit eviction then frees).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,33 +49,66 @@ __all__ = [
 RunningRequests = Callable[[], tuple[Sequence[Any], Any]]
 
 
+def _slot_rows(
+    req_to_token: Any, requests: Sequence[Any], translate: Callable[[torch.Tensor], torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The request-to-token rows of ``requests`` that hold slots, gathered at once (one device read for the
+    batch, not one per request): (slots ``[n, width]`` in this pool's slot space, each row's length
+    ``kv_allocated_len`` on the same device, the index in ``requests`` of each row)."""
+    table = req_to_token.req_to_token
+    held = [
+        (i, r.kv.req_pool_idx, r.kv.kv_allocated_len)
+        for i, r in enumerate(requests)
+        if r.kv.req_pool_idx is not None and r.kv.kv_allocated_len > 0
+    ]
+    if not held:
+        empty = torch.empty((0, 0), dtype=torch.int64, device=table.device)
+        return empty, torch.empty((0,), dtype=torch.int64, device=table.device), []
+    width = max(n for _, _, n in held)
+    index = torch.tensor([row for _, row, _ in held], dtype=torch.int64, device=table.device)
+    lengths = torch.tensor([n for _, _, n in held], dtype=torch.int64, device=table.device)
+    within = torch.arange(width, device=table.device)[None, :] < lengths[:, None]
+    # Past a row's length the table holds stale ids: read as slot 0 (the padding slot, on the null page).
+    slots = torch.where(within, table[index, :width].to(torch.int64), 0)
+    if translate is not None:
+        slots = translate(slots).to(torch.int64)
+    return slots, lengths, [i for i, _, _ in held]
+
+
 def request_blocks(
     req_to_token: Any,
-    request: Any,
+    requests: Sequence[Any],
     rows_per_block: int,
     translate: Callable[[torch.Tensor], torch.Tensor] | None,
-) -> list[int]:
-    """The ledger blocks of the slots ``request`` references (its request-to-token row up to
-    ``kv_allocated_len``), through ``translate`` when the pool's slots are not the table's (the SWA side
+) -> list[list[int]]:
+    """For each of ``requests``, the ledger blocks of the slots it references (its request-to-token row up
+    to ``kv_allocated_len``, through ``translate`` when the pool's slots are not the table's: the SWA side
     of a hybrid); [] for a request that holds no row."""
-    kv = request.kv
-    if kv.req_pool_idx is None or kv.kv_allocated_len <= 0:
-        return []
-    slots = req_to_token.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len]
-    if translate is not None:
-        slots = translate(slots)
-    return torch.unique(slots.to(torch.int64) // rows_per_block).tolist()
+    out: list[list[int]] = [[] for _ in requests]
+    slots, lengths, rows = _slot_rows(req_to_token, requests, translate)
+    blocks = (slots // rows_per_block).cpu()
+    for k, i in enumerate(rows):
+        out[i] = torch.unique(blocks[k, : int(lengths[k])]).tolist()
+    return out
 
 
-def holds_draining(allocator: Any, requests: Iterable[Any], req_to_token: Any) -> bool:
-    """Whether any of ``requests`` holds a slot on one of ``allocator``'s draining pages (an elastic
-    allocator: :class:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin`)."""
+def holds_draining(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> list[bool]:
+    """For each of ``requests``, whether it holds a slot on one of ``allocator``'s draining pages (an
+    elastic allocator: :class:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin`). Computed on the
+    table's device for the whole batch, with one small read back (a flag per request)."""
     ledger = allocator._ledger
-    if not ledger.draining:
-        return False
-    rows = int(allocator._elastic_pool.rows_per_block)
-    translate = allocator.elastic_translate
-    return any(ledger.holds_draining(request_blocks(req_to_token, r, rows, translate)) for r in requests)
+    draining = ledger.draining_pages() if ledger.draining else []
+    if not draining or not requests:
+        return [False] * len(requests)
+    slots, _, rows = _slot_rows(req_to_token, requests, allocator.elastic_translate)
+    per_page = int(allocator._elastic_pool.rows_per_block) * ledger.geometry.blocks_per_page
+    on_draining = torch.zeros(ledger.geometry.num_pages, dtype=torch.bool, device=slots.device)
+    on_draining[torch.tensor(draining, dtype=torch.int64, device=slots.device)] = True
+    hits = on_draining[slots // per_page].any(dim=1).tolist()  # slot 0's page (the null page) never drains
+    out = [False] * len(requests)
+    for i, hit in zip(rows, hits, strict=True):
+        out[i] = bool(hit)
+    return out
 
 
 def must_retract(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> bool:
@@ -86,7 +119,7 @@ def must_retract(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> 
     if len(requests) < 2 or not allocator._ledger.draining:
         return False
     kept = retraction_order(requests)[0]
-    return holds_draining(allocator, (r for i, r in enumerate(requests) if i != kept), req_to_token)
+    return any(hit for i, hit in enumerate(holds_draining(allocator, requests, req_to_token)) if i != kept)
 
 
 def retraction_order(requests: Sequence[Any]) -> list[int]:
@@ -106,9 +139,6 @@ def drain_order(allocator: Any, running: RunningRequests, candidates: list[int])
         return candidates
     bpp = allocator._ledger.geometry.blocks_per_page
     rows = int(allocator._elastic_pool.rows_per_block)
-    translate = allocator.elastic_translate
-    holdings = (
-        {b // bpp for b in request_blocks(req_to_token, requests[i], rows, translate)}
-        for i in reversed(retraction_order(requests))
-    )
+    blocks = request_blocks(req_to_token, requests, rows, allocator.elastic_translate)
+    holdings = ({b // bpp for b in blocks[i]} for i in reversed(retraction_order(requests)))
     return order_by_holders(candidates, holdings)
