@@ -1,5 +1,5 @@
-"""Getting under a lowered limit within a bounded number of steps: SGLang retracts the requests that hold
-slots on the pages being released.
+"""Getting under a lowered limit while requests run: SGLang retracts the requests that hold slots on the
+pages being released.
 
 When ``kvctl limit`` drops a pool's limit below what it holds, the ledger chooses pages to release -- its
 *draining* pages (:meth:`elastic_kv.ledger.Ledger.draining_pages`) -- and issues no block on them from then
@@ -13,7 +13,8 @@ on. SGLang frees them through its own decode retraction (``ScheduleBatch.retract
   on a draining page, other than the first of SGLang's retraction order (:func:`must_retract`), so the
   scheduler's next decode step retracts requests from the end of its order until none of those left
   does. That first request is never retracted for a drain (SGLang keeps at least one request and aborts
-  a last one that does not fit): the pages it holds drain when it finishes, and requests admitted
+  a last one that does not fit): the pages it holds drain when it finishes -- the one case where the limit
+  waits for a request to end, since the drain prefers other pages -- and requests admitted
   meanwhile are not retracted on its account. Cached prefix entries on draining pages are evicted while
   the pool is over its limit (the ``release_kv_cache`` and ``retract_decode`` hooks, the allocators'
   eviction), so a retracted request admitted again does not match its prefix there.
