@@ -22,6 +22,8 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
     ELASTIC_KV_PUBLISH_INTERVAL_S seconds between two snapshots published to the shared record (0.1)
     ELASTIC_KV_REGISTRY_DIR       directory of the shared pool records (default: the registry's own)
     ELASTIC_KV_POOL_NAME          name of the pool's shared record (default: chosen by the engine plugin)
+    ELASTIC_KV_HOST_ARENA         a host arena file (elastic_kv.host) where the engine keeps its weights
+                                  while asleep; set by ``elastic-kv serve`` (default: none)
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ElasticConfig:
     publish_interval_s: float = 0.1
     registry_dir: Path | None = None
     pool_name: str | None = None
+    host_arena: Path | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size % 4096:
@@ -130,6 +133,7 @@ class ElasticConfig:
             "PUBLISH_INTERVAL_S": ("publish_interval_s", float),
             "REGISTRY_DIR": ("registry_dir", Path),
             "POOL_NAME": ("pool_name", str),
+            "HOST_ARENA": ("host_arena", Path),
         }
         values: dict[str, Any] = {}
         given: dict[str, str] = {}  # field -> "VARIABLE='text'" for the fields the environment set

@@ -8,11 +8,16 @@ follows load. See ``docs/ARCHITECTURE.md`` (section "vLLM") for how the plugin h
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-__all__ = ["__version__", "register"]
+__all__ = ["SLEEP_BACKEND", "__version__", "register"]
+
+# The name of the sleep-mode backend that keeps asleep weights in the host arena (vllm_elastic_kv.sleep).
+SLEEP_BACKEND = "elastic"
 
 try:  # the repository's one VERSION file, through the installed distribution's metadata
     __version__ = _version("vllm-elastic-kv")
@@ -30,9 +35,22 @@ def register() -> None:
     turned into vLLM's official ``--scheduler-cls`` / ``--worker-cls`` settings. With the native backend
     those wrappers return exactly what vLLM returns; nothing on the engine side is touched. Safe to call
     any number of times (each wrapper is installed once).
+
+    Where a host arena is configured (``ELASTIC_KV_HOST_ARENA``, set by ``elastic-kv serve``), it also makes
+    the ``elastic`` sleep-mode backend known to vLLM's sleep-mode factory, by name only: vLLM imports
+    :mod:`vllm_elastic_kv.sleep` once an engine that the plugin activated selects it.
     """
     # Imported here: vLLM may load plugins while its own modules are still importing.
+    from elastic_kv.host import ENV_HOST_ARENA
+
     from vllm_elastic_kv import activation, cli, compat
 
     for patch in (*cli.patches(), activation.patch()):
         compat.apply_patch(patch)
+    if os.environ.get(ENV_HOST_ARENA):
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+        with contextlib.suppress(ValueError):  # registered by an earlier call in this process
+            SleepModeBackendFactory.register_backend(
+                SLEEP_BACKEND, "vllm_elastic_kv.sleep", "ElasticSleepBackend"
+            )

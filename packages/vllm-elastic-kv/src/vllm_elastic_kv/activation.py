@@ -10,9 +10,11 @@ config untouched; with the elastic backend it
    :class:`~elastic_kv.errors.ConfigError` naming each;
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
-3. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
+3. with sleep mode on and a host arena configured (``ELASTIC_KV_HOST_ARENA``), selects the ``elastic``
+   sleep-mode backend (``model_config.sleep_mode_backend``), which keeps asleep weights there;
+4. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
    and every worker receive with the config;
-4. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
+5. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
    processes when it is stopped, so the front end removes what they could not.
 
 Model features that are only known once the workers report their KV cache specs (several KV cache
@@ -116,6 +118,12 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
     sched, par, cache = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.cache_config
     if plugin.capacity_bytes and cache.kv_cache_memory_bytes is None:
         cache.kv_cache_memory_bytes = plugin.capacity_bytes  # virtual: backed only as blocks are used
+    model = vllm_config.model_config
+    arena = plugin.elastic.host_arena
+    if model.enable_sleep_mode and arena is not None and model.sleep_mode_backend == "cumem":
+        from vllm_elastic_kv import SLEEP_BACKEND
+
+        model.sleep_mode_backend = SLEEP_BACKEND  # asleep weights in the host arena (vllm_elastic_kv.sleep)
     sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
     par.worker_cls = WORKERS.get(par.worker_cls, par.worker_cls)
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))

@@ -91,13 +91,17 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "world_size",
     ),
     f"{_CONFIG}.CacheConfig": ("kv_cache_memory_bytes",),
-    f"{_CONFIG}.ModelConfig": ("model",),
+    f"{_CONFIG}.ModelConfig": ("model", "enable_sleep_mode", "sleep_mode_backend"),
     f"{_CONFIG}.CompilationConfig": ("static_forward_context",),
     # the KV cache plan the geometry is built from
     f"{_IFACE}.KVCacheConfig": ("num_blocks", "kv_cache_tensors", "kv_cache_groups"),
     f"{_IFACE}.KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
     f"{_IFACE}.KVCacheSpec": ("block_size",),
     f"{_IFACE}.KVCacheTensor": ("size",),
+    # sleep mode into the host arena (vllm_elastic_kv.sleep): each allocation's handle
+    # (device, size, address, ...), tag, host copy and state, and the runtime library vLLM copies with
+    "vllm.device_allocator.AllocationData": ("handle", "tag", "cpu_backup_tensor", "is_asleep"),
+    "vllm.device_allocator.cumem": ("libcudart",),
 }
 
 # VersionSupport.kv_allocation -> further members for that allocation style.
@@ -125,6 +129,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "prev_step_scheduled_req_ids"),
     "vllm.v1.request.Request": ("request_id",),
     "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank"),
+    "vllm.device_allocator.cumem.CuMemAllocator": ("pointer_to_data",),
 }
 
 # Class (dotted) -> attributes the plugin sets on its instances (the class must not use __slots__).

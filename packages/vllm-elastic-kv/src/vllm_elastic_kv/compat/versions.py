@@ -85,6 +85,9 @@ class VersionSupport:
     kv_allocation: Literal["per_tensor", "one_buffer"]
     get_kv_cache_configs: str  # "module:function"
     targets: tuple[Target, ...]
+    # The allocation tags vLLM's own sleep mode copies to the host at level 1 (and restores on wake-up);
+    # the elastic sleep-mode backend keeps the same ones, in the host arena (vllm_elastic_kv.sleep).
+    sleep_offload_tags: tuple[str, ...] = ("weights",)
 
     def covers(self, version: Version) -> bool:
         """True when ``version`` falls in this range."""
@@ -218,7 +221,30 @@ _ONE_BUFFER = (
     ),
     Target("vllm.v1.kv_cache_layout", "KVCacheLayout", kind="class"),
 )
-_COMMON = _FRONT_END + _SCHEDULER + _WORKER_SIDE
+_SLEEP_BACKEND = "vllm.device_allocator.sleep_mode_backend"
+_CUMEM = "vllm.device_allocator.cumem"
+# Sleep mode into the host arena (vllm_elastic_kv.sleep): a sleep-mode backend registered by name, which
+# copies the weights itself and lets vLLM's allocator unmap, remap and copy them back.
+_SLEEP = (
+    Target(
+        _SLEEP_BACKEND,
+        "SleepModeBackendFactory.register_backend",
+        params=("cls", "name", "module_path", "class_name"),
+        why="registers the 'elastic' sleep-mode backend",
+    ),
+    Target(_SLEEP_BACKEND, "CuMemBackend", kind="class", why="base of ElasticSleepBackend"),
+    Target(_SLEEP_BACKEND, "CuMemBackend.suspend", params=("self", "level")),
+    Target(_SLEEP_BACKEND, "CuMemBackend.resume", params=("self", "tags")),
+    Target("vllm.device_allocator", "get_mem_allocator_instance", params=(), why="the weights' allocations"),
+    Target(
+        _CUMEM,
+        "CuMemAllocator.sleep",
+        params=("self", "offload_tags"),
+        why="unmaps and releases every allocation (nothing offloaded: the weights are in the arena)",
+    ),
+    Target(_CUMEM, "CuMemAllocator.wake_up", params=("self", "tags"), why="maps and copies them back"),
+)
+_COMMON = _FRONT_END + _SCHEDULER + _WORKER_SIDE + _SLEEP
 
 SUPPORT: tuple[VersionSupport, ...] = (
     VersionSupport(
@@ -234,6 +260,7 @@ SUPPORT: tuple[VersionSupport, ...] = (
         "one_buffer",
         "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
         _COMMON + _ONE_BUFFER,
+        sleep_offload_tags=("weights", "runtime", "cudagraph"),
     ),
 )
 
