@@ -49,6 +49,7 @@ groups=(
     # vllm-engine: tiny, gptoss, mla, gdn, ngram (about 4 minutes each; gptoss needs vLLM's MoE kernels,
     # which ci/gpu-bundle/ leaves out to fit two device calls)
     "vllm-engine|5|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
+    "vllm-sleep|4|cuda,vllm|600|tests/vllm/test_vllm_sleep_gpu.py"   # sleep mode into the host arena
     "ranks|4|cuda,gpus2|600|tests/ranks/test_ranks_gpu.py"
     "sglang|2|cuda,sglang|600|tests/sglang/test_sglang_gpu.py"
 )

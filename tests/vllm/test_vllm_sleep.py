@@ -1,0 +1,106 @@
+"""Sleep mode with the elastic KV cache, the parts that run without a GPU (the sleep itself: the ``gpu``
+module ``test_vllm_sleep_gpu.py``).
+
+* The worker's ``sleep`` answers vLLM's device-wide free-memory check, and only that check, with a log line:
+  the check's message is pinned to the installed vLLM's source, so a reworded check fails here instead of
+  failing sleeps beside neighbours again.
+* Activation selects the ``elastic`` sleep-mode backend exactly when sleep mode is on and a host arena is
+  configured, and ``register`` makes vLLM's factory resolve that name to the plugin's class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_elastic_kv import SLEEP_BACKEND, activation, register, worker
+from vllm_elastic_kv.config import PluginConfig
+
+from tests.support.models import tiny_model
+
+pytestmark = pytest.mark.vllm
+
+
+def test_the_check_the_worker_answers_is_the_one_vllm_ends_sleep_with() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    source = inspect.getsource(Worker.sleep)
+    assert f'"{worker._SLEEP_FREE_MEMORY_CHECK}.' in source
+
+
+class _Base:
+    """Stands in for vLLM's GPU worker, whose ``sleep`` cannot run without CUDA: it fails the way vLLM's
+    closing check does (after the sleep completed), or another way."""
+
+    def __init__(self, failure: str | None) -> None:
+        self.failure = failure
+        self.slept: list[int] = []
+
+    def sleep(self, level: int = 1) -> None:
+        self.slept.append(level)
+        if self.failure is not None:
+            raise AssertionError(self.failure)
+
+
+class _Worker(worker.ElasticWorkerMixin, _Base):
+    pass
+
+
+def test_the_neighbour_check_is_a_log_line_other_failures_stay(caplog: pytest.LogCaptureFixture) -> None:
+    w = _Worker("Memory usage increased after sleeping.")
+    with caplog.at_level(logging.INFO, logger="vllm_elastic_kv.worker"):
+        w.sleep(2)
+    assert w.slept == [2] and "other engines on this GPU allocated" in caplog.text
+    with pytest.raises(AssertionError, match="something else"):
+        _Worker("something else").sleep(1)
+    ok = _Worker(None)
+    ok.sleep(1)
+    assert ok.slept == [1]
+
+
+def _config(monkeypatch: pytest.MonkeyPatch, arena: Path | None, sleep_mode: bool) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_model()),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        kv_cache_memory_bytes=8 << 20,
+    )
+    config = EngineArgs.create_engine_config.__wrapped__(args)  # vLLM's own config, not yet activated
+    # vLLM's CPU platform refuses --enable-sleep-mode when the config is built; the flag is what activation
+    # reads, so it is set on the built config.
+    config.model_config.enable_sleep_mode = sleep_mode
+    env = {"ELASTIC_KV_BACKEND": "elastic"}
+    if arena is not None:
+        env["ELASTIC_KV_HOST_ARENA"] = str(arena)
+    activation.activate(config, PluginConfig.from_vllm_config(config, env))
+    return config
+
+
+@pytest.mark.parametrize(
+    ("arena", "sleep_mode", "backend"),
+    [(True, True, SLEEP_BACKEND), (False, True, "cumem"), (True, False, "cumem")],
+)
+def test_activation_selects_the_elastic_backend_with_sleep_mode_and_an_arena(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, arena: bool, sleep_mode: bool, backend: str
+) -> None:
+    config = _config(monkeypatch, tmp_path / "host.arena" if arena else None, sleep_mode)
+    assert config.model_config.sleep_mode_backend == backend
+
+
+def test_register_makes_the_name_resolve_to_the_plugins_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    monkeypatch.setenv("ELASTIC_KV_HOST_ARENA", str(tmp_path / "host.arena"))
+    register()
+    register()  # idempotent
+    cls = SleepModeBackendFactory.get_backend_class(SLEEP_BACKEND)
+    assert (cls.__module__, cls.__name__) == ("vllm_elastic_kv.sleep", "ElasticSleepBackend")

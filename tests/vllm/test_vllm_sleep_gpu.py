@@ -1,0 +1,132 @@
+"""Sleep mode into the host arena on a GPU (marker ``gpu``; run by ``ci/gpu.sh``, group ``vllm-sleep``).
+
+One real vLLM engine (a small Llama with saved random weights, bfloat16, eager) with the elastic KV cache,
+``enable_sleep_mode`` and a host arena (``ELASTIC_KV_HOST_ARENA``), so the plugin selects its ``elastic``
+sleep-mode backend. The tests run in file order on that engine:
+
+* a level-1 sleep while this process keeps allocating GPU memory beside the engine (a neighbour growing):
+  vLLM's own closing check would fail that sleep; the weights sit in one arena extent while asleep, come
+  back bit for bit (greedy tokens equal), and the extent goes back to the arena on wake-up;
+* the whole arena pinned once (``elastic_kv_pin_host``), then another sleep and wake-up;
+* level 2 (weights discarded, reloaded with ``reload_weights``) leaves the arena alone and answers alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.models import TinyModelSpec, tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+MiB = 1 << 20
+POOL = "sleep-gpu"
+SPEC = TinyModelSpec(
+    name="sleep-llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4
+)
+PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 16 for j in range(48 + 16 * i)]} for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("vllm")
+    from elastic_kv.host import HostArena
+    from vllm import LLM
+
+    registry = tmp_path_factory.mktemp("registry")
+    registry.chmod(0o700)
+    arena = HostArena.create(Path("/dev/shm") / f"sleep-gpu-{os.getpid()}.arena", 256 * MiB)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ELASTIC_KV_HOST_ARENA", str(arena.path))
+    mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
+    try:
+        llm = LLM(
+            model=str(tiny_model(SPEC)),
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=1024,
+            enforce_eager=True,
+            kv_cache_memory_bytes=256 * MiB,
+            gpu_memory_utilization=0.2,
+            enable_sleep_mode=True,
+            seed=0,
+            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
+        )
+        yield {"llm": llm, "arena": arena, "tokens": _generate(llm)}
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        mp.undo()
+        arena.close()
+        arena.remove()
+
+
+def _generate(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_the_elastic_backend_is_selected(engine: dict[str, Any]) -> None:
+    config = engine["llm"].llm_engine.vllm_config.model_config
+    assert config.sleep_mode_backend == "elastic"
+
+
+def test_a_level_1_sleep_beside_a_growing_neighbour_keeps_the_weights_in_the_arena(
+    engine: dict[str, Any],
+) -> None:
+    import torch
+
+    llm, arena = engine["llm"], engine["arena"]
+    grown: list[Any] = []
+    done = threading.Event()
+
+    def neighbour() -> None:  # allocate beside the engine until its sleep returns (at most 8 GiB)
+        while not done.is_set() and len(grown) < 128:
+            grown.append(torch.empty(64 * MiB, dtype=torch.uint8, device="cuda"))
+            torch.cuda.synchronize()
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    try:
+        llm.sleep(level=1)
+    finally:
+        done.set()
+        thread.join()
+    assert grown, "the neighbour allocated nothing during the sleep"
+    taken = arena.extents()
+    assert [e.owner for e in taken] == [POOL] and taken[0].size > 0
+    del grown[:]
+    torch.cuda.empty_cache()
+    llm.wake_up()
+    assert arena.extents() == []
+    assert _generate(llm) == engine["tokens"]
+
+
+def test_the_whole_arena_pinned_once_then_sleep_and_wake(engine: dict[str, Any]) -> None:
+    llm, arena = engine["llm"], engine["arena"]
+    (pinned,) = llm.collective_rpc("elastic_kv_pin_host")
+    assert pinned["pinned_bytes"] == arena.size
+    llm.sleep(level=1)
+    assert len(arena.extents()) == 1
+    llm.wake_up()
+    assert arena.extents() == [] and _generate(llm) == engine["tokens"]
+
+
+def test_level_2_discards_the_weights_and_leaves_the_arena_alone(engine: dict[str, Any]) -> None:
+    llm, arena = engine["llm"], engine["arena"]
+    llm.sleep(level=2)
+    assert arena.extents() == []
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert _generate(llm) == engine["tokens"]
