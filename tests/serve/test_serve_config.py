@@ -73,6 +73,20 @@ def test_server_defaults_apply() -> None:
         ({"models": [{"name": "m", "model": "/m"}, {"name": "m", "model": "/n"}]}, "two models are called"),
         ({"models": []}, "at least one"),
         ({"server": {}}, "models: Field required"),
+        ({"server": {"host_budget": "lots"}, "models": [{"name": "m", "model": "/m"}]}, "server.host_budget"),
+        ({"server": {"host_budget": 0}, "models": [{"name": "m", "model": "/m"}]}, "server.host_budget"),
+        ({"server": {"max_queued": 0}, "models": [{"name": "m", "model": "/m"}]}, "server.max_queued"),
+        ({"server": {"start_parallel": 0}, "models": [{"name": "m", "model": "/m"}]},
+         "server.start_parallel"),
+        ({"server": {"preload": "yes"}, "models": [{"name": "m", "model": "/m"}]}, "server.preload"),
+        ({"models": [{"name": "m", "model": "/m", "engine": "command"}]}, "needs command"),
+        ({"models": [{"name": "m", "model": "/m", "engine": "command", "command": ["srv"]}]}, "{port}"),
+        ({"models": [{"name": "m", "model": "/m", "engine": "command", "command": ["s", "{port}"],
+                      "sleep_path": "/sleep"}]}, "sleep_path and wake_path go together"),
+        ({"models": [{"name": "m", "model": "/m", "engine": "command", "command": ["s", "{port}"],
+                      "health_path": "health"}]}, "must be a path starting with /"),
+        ({"models": [{"name": "m", "model": "/m", "command": ["s", "{port}"]}]},
+         'for engine = "command" only'),
     ],
 )  # fmt: skip
 def test_bad_configs_name_the_key(data: dict[str, object], named: str) -> None:
@@ -80,6 +94,18 @@ def test_bad_configs_name_the_key(data: dict[str, object], named: str) -> None:
         parse_config(data, "models.toml")
     message = str(info.value)
     assert "\n" not in message and message.startswith("models.toml: ") and named in message
+
+
+def test_host_memory_defaults_and_command_engines() -> None:
+    cfg = parse_config(
+        {"server": {"host_budget": "20G", "host_arena_dir": "/dev/shm", "start_parallel": 3, "preload": True},
+         "models": [{"name": "m", "engine": "command", "model": "/m", "command": ["srv", "--port", "{port}"],
+                     "sleep_path": "/sleep?level={level}", "wake_path": "/wake?level={level}"}]}
+    )  # fmt: skip
+    assert cfg.server.host_budget == 20 << 30 and cfg.server.host_arena_dir == Path("/dev/shm")
+    assert (cfg.server.start_parallel, cfg.server.preload, cfg.server.max_queued) == (3, True, 256)
+    assert cfg.models[0].health_path == "/health"
+    assert parse_config({"models": [{"name": "m", "model": "/m"}]}).server.host_budget == Percent(40.0)
 
 
 def test_malformed_toml_is_one_line(tmp_path: Path) -> None:
@@ -111,3 +137,22 @@ def test_cli_refuses_a_bad_config_with_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"elastic-kv: error: {path}: models[0].sleepy: unknown key"]
+
+
+def test_a_host_budget_the_host_cannot_give_stops_the_server_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "registry").mkdir(mode=0o700)
+    path = tmp_path / "models.toml"
+    path.write_text(
+        f'[server]\nregistry_dir = "{tmp_path / "registry"}"\nhost_budget = "100000G"\n\n[[models]]\n'
+        'name = "m"\nengine = "command"\nmodel = "/m"\ncommand = ["srv", "{port}"]\n'
+        'sleep_path = "/sleep?level={level}"\nwake_path = "/wake_up?level={level}"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith("elastic-kv: error: server.host_budget: 97.7 TiB is more than the host")
+    assert not list((tmp_path / "registry").glob("*.arena"))

@@ -185,7 +185,7 @@ def test_waking_a_model_makes_room_by_priority(server: ServeProcess) -> None:
     assert status["b"]["kv_bytes"] == 0 and status["b"]["pid"] is None
     assert {p.name for p in Registry(server.registry).pools()} == {"serve.a", "serve.c"}
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert 'elastic_kv_serve_wake_seconds_count{mode="stop",model="c"} 1.0' in metrics
+    assert 'elastic_kv_serve_wake_seconds_count{level="cold",mode="stop",model="c"} 1.0' in metrics
     assert 'elastic_kv_serve_model_state{model="b",state="asleep"} 1.0' in metrics
 
 

@@ -98,10 +98,16 @@ class ServeProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def status(self) -> dict[str, Any]:
+    def document(self) -> dict[str, Any]:
+        """The server's whole ``/status`` document."""
         reply = self.client.get("/status", timeout=10)
         reply.raise_for_status()
-        return {m["name"]: m for m in reply.json()["models"]}
+        doc: dict[str, Any] = reply.json()
+        return doc
+
+    def status(self) -> dict[str, Any]:
+        """Each model's ``/status`` entry, by name."""
+        return {m["name"]: m for m in self.document()["models"]}
 
     def wait_for(self, states: dict[str, str], timeout_s: float = 600.0) -> dict[str, Any]:
         """Wait until every named model is in its state; the status then. TimeoutError with the log tail."""

@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load(args)
     supervisor = Supervisor(config)
     try:
-        supervisor.probe_sleep_modes()
+        supervisor.prepare()
     except EngineStartError as exc:
         raise ConfigError(str(exc)) from None
     app = create_app(config, supervisor)

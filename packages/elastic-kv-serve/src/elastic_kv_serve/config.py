@@ -13,6 +13,12 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     start_timeout_s = 600       # an engine must answer /health within this long after it starts
     drain_timeout_s = 60        # SIGTERM/SIGINT: in-flight requests get this long to finish
     max_request_bytes = "4M"    # larger request bodies are refused with 413
+    max_queued = 256            # requests one model may hold waiting (to wake, start, restart); more get 429
+    start_parallel = 1          # engines starting at once
+    preload = false             # start every model at start-up; those that do not fit awake go to sleep
+    host_budget = "40%"         # host memory for asleep models' weights (an arena, filled once, shared)
+    host_memory = "128G"        # what "40%" is a share of; default: the host's memory
+    host_arena_dir = "/dev/shm" # where the arena file lives (a memory file system); default: registry_dir
     log_dir = "/var/log/elastic-kv"    # engine logs (default: a temporary directory)
 
     [[models]]
@@ -25,6 +31,15 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     pinned = false              # pinned models never sleep
     priority = 0                # higher keeps memory when the device is full
     weights_bytes = "16G"       # the model's weights in memory; default: the checkpoint's weight files
+
+    [[models]]                  # any other OpenAI-compatible server, started by a command of its own
+    name = "other"
+    engine = "command"
+    model = "/path"             # substituted for {model}
+    command = ["my-server", "--port", "{port}", "--model", "{model}"]   # {port} is required
+    health_path = "/health"     # answers 200 once it serves
+    sleep_path = "/sleep?level={level}"   # optional, with wake_path: sleep through the engine's API
+    wake_path = "/wake_up?level={level}"  # (without them, sleeping stops the process)
 
 Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with one line that names the key
 (``models[1].idle_sleep_s: ...``). The tables are pydantic models with ``extra="forbid"`` and strict types.
@@ -105,6 +120,12 @@ class ServerConfig(_Table):
     restart_backoff_s: PositiveSeconds = 1.0
     restart_backoff_max_s: PositiveSeconds = 30.0
     max_restarts: Annotated[int, Field(ge=0)] = 5
+    max_queued: Annotated[int, Field(ge=1)] = 256
+    start_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    preload: bool = False
+    host_budget: Amount | None = Percent(40.0)
+    host_memory: Size | None = None
+    host_arena_dir: Path | None = None
     log_dir: Path | None = None
 
     @model_validator(mode="before")
@@ -112,7 +133,7 @@ class ServerConfig(_Table):
     def _paths(cls, data: Any) -> Any:
         # TOML has no path type: accept strings for the path fields under strict mode.
         if isinstance(data, dict):
-            for key in ("registry_dir", "log_dir"):
+            for key in ("registry_dir", "log_dir", "host_arena_dir"):
                 if isinstance(data.get(key), str):
                     data = {**data, key: Path(data[key]).expanduser()}
         return data
@@ -122,7 +143,7 @@ class ModelConfig(_Table):
     """One ``[[models]]`` entry (see the module docstring)."""
 
     name: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^\S+$")]
-    engine: Literal["vllm", "sglang"] = "vllm"
+    engine: Literal["vllm", "sglang", "command"] = "vllm"
     model: Annotated[str, Field(min_length=1)]
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -130,6 +151,31 @@ class ModelConfig(_Table):
     pinned: bool = False
     priority: int = 0
     weights_bytes: Size | None = None
+    # engine = "command" only
+    command: list[str] | None = None
+    health_path: str = "/health"
+    sleep_path: str | None = None
+    wake_path: str | None = None
+
+    @model_validator(mode="after")
+    def _command(self) -> ModelConfig:
+        own = {"command": self.command, "sleep_path": self.sleep_path, "wake_path": self.wake_path}
+        if self.engine != "command":
+            given = [k for k, v in own.items() if v is not None]
+            if given:
+                raise ValueError(f'{given[0]} is for engine = "command" only')
+            return self
+        if not self.command:
+            raise ValueError('engine = "command" needs command = ["...", "{port}", ...]')
+        if not any("{port}" in part for part in self.command):
+            raise ValueError("command must contain {port}: the server picks the engine's port")
+        if (self.sleep_path is None) != (self.wake_path is None):
+            raise ValueError("sleep_path and wake_path go together")
+        for key in ("health_path", "sleep_path", "wake_path"):
+            value = getattr(self, key)
+            if value is not None and not value.startswith("/"):
+                raise ValueError(f"{key} must be a path starting with /, got {value!r}")
+        return self
 
     @property
     def pool_name(self) -> str:

@@ -7,15 +7,7 @@ The process leads its own process group (a terminal's Ctrl-C reaches the server,
 gets SIGTERM if the server dies (``PR_SET_PDEATHSIG``); stopping it signals the whole group, so the
 engine's own children (vLLM's engine core, SGLang's scheduler) go with it.
 
-Sleep modes, decided per engine at start-up from a probe of the platform in the engine's environment:
-
-* ``engine`` -- the engine's own API: vLLM ``POST /sleep?level=1`` / ``POST /wake_up`` (needs
-  ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, available where
-  ``current_platform.is_sleep_mode_available()``: CUDA, ROCm, XPU); SGLang
-  ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` (needs ``--enable-memory-saver``,
-  i.e. CUDA and ``torch_memory_saver``).
-* ``stop`` -- where the platform cannot sleep (vLLM and SGLang on the CPU): the process is stopped and
-  started again on demand (a cold start).
+How each engine is started, probed, put to sleep and woken: :mod:`elastic_kv_serve.kinds`.
 """
 
 from __future__ import annotations
@@ -28,33 +20,23 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO
 
 import httpx
+from elastic_kv.host import ENV_HOST_ARENA
 
 from elastic_kv_serve.config import ModelConfig
+from elastic_kv_serve.kinds import SleepMode, kind_of
 
-__all__ = ["EngineProcess", "EngineStartError", "SleepMode", "engine_argv", "engine_env", "probe_sleep_mode"]
+__all__ = ["EngineProcess", "EngineStartError", "engine_env"]
 
 logger = logging.getLogger(__name__)
 
-SleepMode = Literal["engine", "stop"]
-
 _PR_SET_PDEATHSIG = 1
-
-# One line of Python per engine that prints 1 when its platform can sleep through the engine's API.
-_PROBES = {
-    "vllm": "from vllm.platforms import current_platform as p; print(int(p.is_sleep_mode_available()))",
-    "sglang": (
-        "import importlib.util, torch; "
-        "print(int(torch.cuda.is_available() and importlib.util.find_spec('torch_memory_saver') is not None))"
-    ),
-}
 
 
 class EngineStartError(RuntimeError):
@@ -69,72 +51,22 @@ def free_port() -> int:
 
 
 def engine_env(
-    model: ModelConfig, registry_dir: Path, base: Mapping[str, str] | None = None
+    model: ModelConfig,
+    registry_dir: Path,
+    base: Mapping[str, str] | None = None,
+    host_arena: Path | None = None,
 ) -> dict[str, str]:
-    """The engine's environment: ``base`` (default ``os.environ``), the model's ``env``, its pool name and the
-    server's registry directory (these two always win: the server finds the pool by them)."""
+    """The engine's environment: ``base`` (default ``os.environ``), the model's ``env``, its pool name, the
+    server's registry directory and host arena (these always win: the server finds the pool by them)."""
     env = dict(os.environ if base is None else base)
     env.update(model.env)
     env["ELASTIC_KV_POOL_NAME"] = model.pool_name
     env["ELASTIC_KV_REGISTRY_DIR"] = str(registry_dir)
-    return env
-
-
-def engine_argv(model: ModelConfig, port: int, sleep_mode: SleepMode) -> list[str]:
-    """The engine's command line: the server module, the model, the loopback port, the elastic backend,
-    the sleep switch where the engine sleeps through its API, then the model's ``args``."""
-    if model.engine == "vllm":
-        argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model.model, "--served-model-name", model.name,
-            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-backend", "elastic",
-        ]  # fmt: skip
-        if sleep_mode == "engine":
-            argv.append("--enable-sleep-mode")
+    if host_arena is not None:
+        env[ENV_HOST_ARENA] = str(host_arena)
     else:
-        argv = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", model.model, "--served-model-name", model.name,
-            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-backend=elastic",
-        ]  # fmt: skip
-        if sleep_mode == "engine":
-            argv.append("--enable-memory-saver")
-    return argv + list(model.args)
-
-
-def probe_sleep_mode(model: ModelConfig, env: Mapping[str, str], timeout_s: float = 120.0) -> SleepMode:
-    """``engine`` when the model's engine can sleep through its API on this platform, else ``stop``.
-
-    Runs the engine's own platform check (see ``_PROBES``) in a child with the engine's environment, so
-    the answer is the platform's, not a guess from this process. SGLang with ``--device cpu`` is ``stop``.
-    A probe that fails (engine not installed) raises ``EngineStartError``.
-    """
-    if model.engine == "sglang" and "cpu" in flag_values(model.args, "--device"):
-        return "stop"
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBES[model.engine]],
-        env=dict(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or lines[-1] not in ("0", "1"):
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise EngineStartError(f"model {model.name}: cannot load engine {model.engine}: {tail[0]}")
-    return "engine" if lines[-1] == "1" else "stop"
-
-
-def flag_values(args: list[str], flag: str) -> list[str]:
-    """The values given to ``flag`` in ``args`` (``--flag V`` and ``--flag=V``)."""
-    out = []
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            out.append(args[i + 1])
-        elif arg.startswith(flag + "="):
-            out.append(arg.split("=", 1)[1])
-    return out
+        env.pop(ENV_HOST_ARENA, None)
+    return env
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -151,6 +83,7 @@ class EngineProcess:
     port: int
     log_path: Path
     started_at: float
+    health_path: str
     _log: IO[bytes]
 
     @classmethod
@@ -160,14 +93,13 @@ class EngineProcess:
         """Start the engine of ``model`` on a free loopback port; its output goes to ``<log_dir>/<name>.log``
         (appended: restarts add to the same log)."""
         port = free_port()
-        argv = engine_argv(model, port, sleep_mode)
+        kind = kind_of(model)
+        argv = kind.argv(model, port, sleep_mode)
         log_path = log_dir / f"{model.pool_name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 -- closed in _close_log once the process is gone
         log.write(f"\n==== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
         log.flush()
-        env = dict(env)
-        if sleep_mode == "engine" and model.engine == "vllm":
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # the /sleep and /wake_up routes
+        env = {**env, **kind.extra_env(sleep_mode)}
         logger.info("starting %s (%s) on port %d", model.name, model.engine, port)
         proc = subprocess.Popen(
             argv,
@@ -178,7 +110,7 @@ class EngineProcess:
             process_group=0,
             preexec_fn=_die_with_parent,  # prctl only
         )
-        return cls(model.name, proc, port, log_path, time.monotonic(), log)
+        return cls(model.name, proc, port, log_path, time.monotonic(), kind.health_path(model), log)
 
     @property
     def url(self) -> str:
@@ -216,7 +148,7 @@ class EngineProcess:
 
     async def healthy(self, client: httpx.AsyncClient, timeout_s: float = 5.0) -> bool:
         try:
-            reply = await client.get(f"{self.url}/health", timeout=timeout_s)
+            reply = await client.get(f"{self.url}{self.health_path}", timeout=timeout_s)
         except httpx.HTTPError:
             return False
         return reply.status_code == 200

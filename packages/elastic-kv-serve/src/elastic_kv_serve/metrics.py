@@ -4,7 +4,9 @@ Event metrics (recorded as they happen)::
 
     elastic_kv_serve_requests_total{model,endpoint,code}       requests answered
     elastic_kv_serve_request_seconds{model,endpoint}           request latency (histogram)
-    elastic_kv_serve_wake_seconds{model,mode}                  wake latency, request waiting (histogram)
+    elastic_kv_serve_wake_seconds{model,mode,level}            wake latency, request waiting (histogram;
+                                                               level 1, 2 or cold)
+    elastic_kv_serve_sleep_seconds{model,level}                sleep latency (histogram; level 1, 2, stop)
     elastic_kv_serve_restarts_total{model}                     engine restarts after a failure
 
 State metrics (read from the supervisor at each scrape)::
@@ -14,9 +16,11 @@ State metrics (read from the supervisor at each scrape)::
     elastic_kv_serve_model_queued{model}                       requests waiting for the model to wake
     elastic_kv_serve_model_weights_bytes{model}                weights (counted while awake)
     elastic_kv_serve_model_kv_bytes{model}                     KV backed now (the pool records)
+    elastic_kv_serve_model_host_bytes{model}                   host memory its asleep weights take
     elastic_kv_serve_model_wakes_total{model}                  wakes on demand
     elastic_kv_serve_model_sleeps_total{model}                 sleeps (idle or to make room)
     elastic_kv_serve_budget_bytes / elastic_kv_serve_used_bytes    the budget and what awake models use
+    elastic_kv_serve_host_budget_bytes / _host_used_bytes      the host budget and what asleep weights use
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["ServeMetrics"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_WAKE_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_WAKE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class _StateCollector(Collector):
@@ -57,6 +61,7 @@ class _StateCollector(Collector):
                 ("queued", "requests waiting for the model to wake"),
                 ("weights_bytes", "weights of the model"),
                 ("kv_bytes", "KV cache bytes backed now"),
+                ("host_bytes", "host memory the asleep weights take"),
             )
         }
         counters = {
@@ -70,6 +75,7 @@ class _StateCollector(Collector):
             gauges["queued"].add_metric([rt.name], rt.queued)
             gauges["weights_bytes"].add_metric([rt.name], rt.weights_bytes)
             gauges["kv_bytes"].add_metric([rt.name], rt.kv_bytes)
+            gauges["host_bytes"].add_metric([rt.name], rt.host_bytes)
             counters["wakes"].add_metric([rt.name], rt.wakes)
             counters["sleeps"].add_metric([rt.name], rt.sleeps)
         yield state
@@ -81,6 +87,14 @@ class _StateCollector(Collector):
         used = GaugeMetricFamily("elastic_kv_serve_used_bytes", "awake weights plus every model's KV")
         used.add_metric([], sup.used_bytes())
         yield used
+        host_budget = GaugeMetricFamily(
+            "elastic_kv_serve_host_budget_bytes", "host memory for asleep weights"
+        )
+        host_budget.add_metric([], sup.host.budget_bytes)
+        yield host_budget
+        host_used = GaugeMetricFamily("elastic_kv_serve_host_used_bytes", "host memory asleep weights take")
+        host_used.add_metric([], sup.host_used_bytes())
+        yield host_used
 
 
 class ServeMetrics:
@@ -104,7 +118,14 @@ class ServeMetrics:
         self.wake_seconds = Histogram(
             "elastic_kv_serve_wake_seconds",
             "time from a wake's start to the model serving",
-            ["model", "mode"],
+            ["model", "mode", "level"],
+            buckets=_WAKE_BUCKETS,
+            registry=self.registry,
+        )
+        self.sleep_seconds = Histogram(
+            "elastic_kv_serve_sleep_seconds",
+            "time from a sleep's start to the model asleep",
+            ["model", "level"],
             buckets=_WAKE_BUCKETS,
             registry=self.registry,
         )

@@ -11,9 +11,10 @@ Routes::
 
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a body that is
 not a JSON object with a string ``model``, 404 for an unknown model, 413 for a body over
-``max_request_bytes``, 503 when the model cannot serve (its engine failed or died mid-request, it did not
-wake in time, the server is stopping). A client that disconnects has its upstream request closed, which
-makes the engine abort it.
+``max_request_bytes``, 429 when the model already has ``max_queued`` requests waiting, 503 when the model
+cannot serve (its engine died mid-request, it did not become ready within ``wake_timeout_s``, it was given
+up on, the server is stopping); 429s and 503s carry ``Retry-After``. A client that disconnects has its
+upstream request closed, which makes the engine abort it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from elastic_kv_serve.config import ServeConfig
 from elastic_kv_serve.runtime import ModelRuntime
-from elastic_kv_serve.supervisor import ModelUnavailable, Supervisor, UnknownModel
+from elastic_kv_serve.supervisor import ModelUnavailable, QueueFull, Supervisor, UnknownModel
 
 __all__ = ["create_app", "openai_error"]
 
@@ -44,6 +45,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     503: "ServiceUnavailableError",
 }
 
@@ -54,10 +56,18 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error response (503s say when to retry)."""
-    headers = {"retry-after": "1"} if status == 503 else None
+def openai_error(
+    status: int, message: str, param: str | None = None, retry_after_s: int | None = None
+) -> JSONResponse:
+    """An OpenAI-style error response; 429s and 503s say when to retry (``Retry-After``, 1 s by default)."""
+    if retry_after_s is None and status in (429, 503):
+        retry_after_s = 1
+    headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+# Times a request refused at connect (never delivered) is sent again, each after the model is ready again.
+_CONNECT_ATTEMPTS = 3
 
 
 class _TooLarge(Exception):
@@ -161,25 +171,33 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
             sup.metrics.requests.labels(name, path, str(code)).inc()
             sup.metrics.request_seconds.labels(name, path).observe(time.monotonic() - t0)
 
-        stack = contextlib.AsyncExitStack()
-        try:
-            url = await stack.enter_async_context(sup.admit(rt))
-            upstream_request = upstream.build_request(
-                "POST", url + path, content=body, headers={"content-type": "application/json"}
-            )
-            reply = await upstream.send(upstream_request, stream=True)
-        except ModelUnavailable as exc:
-            await stack.aclose()
-            done(503)
-            return openai_error(503, str(exc))
-        except httpx.HTTPError as exc:
-            await stack.aclose()
-            await sup.upstream_failed(rt)
-            done(503)
-            return openai_error(503, f"the engine of model {name} failed: {type(exc).__name__}")
-        except BaseException:
-            await stack.aclose()
-            raise
+        # A request that never reached the engine (refused connection: the engine died before the
+        # supervisor noticed) is safe to send again: it waits for the restart like any other request.
+        for attempt in range(_CONNECT_ATTEMPTS):
+            stack = contextlib.AsyncExitStack()
+            try:
+                url = await stack.enter_async_context(sup.admit(rt))
+                upstream_request = upstream.build_request(
+                    "POST", url + path, content=body, headers={"content-type": "application/json"}
+                )
+                reply = await upstream.send(upstream_request, stream=True)
+                break
+            except ModelUnavailable as exc:
+                await stack.aclose()
+                code = 429 if isinstance(exc, QueueFull) else 503
+                done(code)
+                return openai_error(code, str(exc), retry_after_s=exc.retry_after_s)
+            except httpx.HTTPError as exc:
+                await stack.aclose()
+                await sup.upstream_failed(rt)
+                if isinstance(exc, httpx.ConnectError) and attempt + 1 < _CONNECT_ATTEMPTS:
+                    logger.info("model %s: engine unreachable, sending the request again", name)
+                    continue
+                done(503)
+                return openai_error(503, f"the engine of model {name} failed: {type(exc).__name__}")
+            except BaseException:
+                await stack.aclose()
+                raise
 
         if payload.get("stream") and reply.status_code == 200:
             return StreamingResponse(

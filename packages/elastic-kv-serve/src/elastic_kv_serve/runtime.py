@@ -7,11 +7,12 @@ States::
 
     starting   the engine process is starting (first start or a restart after a failure)
     awake      serving: requests are forwarded to its engine
-    sleeping   going to sleep (its engine's sleep API, or stopping its process)
-    asleep     not serving; a request wakes it (engine sleep mode) or cold-starts it (stop mode)
+    sleeping   going to sleep (its engine's sleep API at level 1 or 2, or stopping its process)
+    asleep     not serving; a request wakes it (level 1: weights copied back from host memory; level 2:
+               reloaded from the checkpoint) or cold-starts it (its process was stopped, or died)
     waking     waking up for a request (or making room first)
-    failed     its engine died or could not start; restarted with back-off, requests get 503 meanwhile
-    stopped    the server is shutting down or gave up restarting it
+    failed     its engine died or could not start; restarted with back-off, requests wait for it
+    stopped    the server is shutting down or gave up restarting it; requests get 503
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from enum import Enum
 from typing import Any
 
 from elastic_kv_serve.config import ModelConfig
-from elastic_kv_serve.engines import EngineProcess, SleepMode
+from elastic_kv_serve.engines import EngineProcess
+from elastic_kv_serve.kinds import SleepMode
 
-__all__ = ["ModelRuntime", "State", "quantile"]
+__all__ = ["ModelRuntime", "State", "Transition", "quantile"]
 
 
 class State(str, Enum):
@@ -50,6 +52,21 @@ def quantile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One start, wake or sleep of a model, as ``/status`` lists it."""
+
+    kind: str  # "start", "wake" or "sleep"
+    level: str  # "1" or "2" (through the engine's API), "cold" (a process started), "stop"
+    seconds: float  # the whole transition, as the request that waited for it saw it
+    room_seconds: float  # of which: putting other models to sleep to make room (wakes and starts)
+    at: float  # wall-clock time it ended
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "level": self.level, "seconds": round(self.seconds, 4),
+                "room_seconds": round(self.room_seconds, 4), "at": self.at}  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -78,6 +95,12 @@ class ModelRuntime:
     failures: int = 0  # consecutive failed starts or deaths; reset once it serves
     error: str | None = None
     wake_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    sleep_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    transitions: deque[Transition] = field(default_factory=lambda: deque(maxlen=1000))
+    # The level of the sleep it is in: 1 or 2 (its engine sleeps), None (awake, or its process is gone).
+    sleep_level: int | None = None
+    host_bytes: int = 0  # host memory its asleep weights take (read from the host arena)
+    host_need_bytes: int = 0  # what its last level-1 sleep took of the arena (0: not measured yet)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -112,13 +135,23 @@ class ModelRuntime:
             return False
         return True
 
+    def record(self, kind: str, level: str, seconds: float, room_seconds: float = 0.0) -> None:
+        """Remember one transition (``/status`` shows them; wake and sleep times feed the quantiles)."""
+        self.transitions.append(Transition(kind, level, seconds, room_seconds, time.time()))
+        if kind == "wake":
+            self.wakes += 1
+            self.wake_seconds.append(seconds)
+        elif kind == "sleep":
+            self.sleeps += 1
+            self.sleep_seconds.append(seconds)
+
     def touch(self) -> None:
         self.last_used = time.monotonic()
         self.last_used_wall = time.time()
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` entry of this model (JSON-ready)."""
-        waits = list(self.wake_seconds)
+        waits, sleeps = list(self.wake_seconds), list(self.sleep_seconds)
         return {
             "name": self.name,
             "engine": self.config.engine,
@@ -142,6 +175,11 @@ class ModelRuntime:
             "restarts": self.restarts,
             "wake_p50_s": quantile(waits, 0.5),
             "wake_p99_s": quantile(waits, 0.99),
+            "sleep_p50_s": quantile(sleeps, 0.5),
+            "sleep_p99_s": quantile(sleeps, 0.99),
+            "sleep_level": self.sleep_level,
+            "host_bytes": self.host_bytes,
+            "transitions": [t.as_dict() for t in self.transitions],
             "error": self.error,
             "log": str(self.engine.log_path) if self.engine is not None else None,
         }

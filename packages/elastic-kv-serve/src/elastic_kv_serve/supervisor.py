@@ -1,15 +1,25 @@
-"""The supervisor: starts, watches, restarts, sleeps and wakes every model's engine within one budget.
+"""The supervisor: starts, watches, restarts, sleeps and wakes every model's engine within two budgets.
 
 It runs on the server's event loop. Its contract with the router is :meth:`Supervisor.admit`: an async
-context manager that waits (bounded by ``wake_timeout_s``) until the model is awake -- waking it, and
-making room for it, when it sleeps -- then counts the request in flight and yields the engine's URL.
-Requests for a model whose engine failed get :class:`ModelUnavailable` at once (HTTP 503).
+context manager that waits (bounded by ``wake_timeout_s``) until the model is awake -- waking it, making
+room for it, starting it or waiting for its restart -- then counts the request in flight and yields the
+engine's URL. A request is refused only when the model's wait queue is full (:class:`QueueFull`, HTTP
+429), its wait times out, it was given up on (``max_restarts`` failures in a row) or the server stops
+(:class:`ModelUnavailable`, HTTP 503); both say when to retry.
 
-Memory: the awake models' weights plus every pool's KV stay within ``[server] budget``. Waking a model
-needs its weights plus the KV it held when idle; when that does not fit, idle models are put to sleep
-first (:func:`elastic_kv_serve.policy.choose_victims`). A monitor task, every ``poll_s``, reads each
-model's KV bytes from the registry, restarts dead engines with back-off, puts idle models to sleep, and
-keeps the device's KV budget at *budget - awake weights*.
+Device memory: the awake models' weights plus every pool's KV stay within ``[server] budget``. Waking or
+starting a model needs its weights plus the KV it held when idle; when that does not fit, idle models are
+put to sleep first (:func:`elastic_kv_serve.policy.choose_victims`), and while none can go the request
+waits for one to become idle. The device's KV budget is kept at *budget - weights of the models that
+have room*, so a busy neighbour's KV never grows into room made for a model that is still loading.
+
+Host memory: asleep weights stay within ``[server] host_budget`` (:mod:`elastic_kv_serve.host`): each sleep
+is level 1 while the host arena has room for the model's weights, else level 2, else a stop.
+
+A monitor task, every ``poll_s``, reads each model's KV and host bytes, restarts dead engines with
+back-off (also asleep ones: their next request cold-starts them), puts idle models to sleep and keeps the
+device's KV budget. Engines start ``start_parallel`` at a time; with ``preload`` every model is started
+at start-up and the ones that do not fit awake go to sleep, so that their first request is a wake.
 """
 
 from __future__ import annotations
@@ -26,27 +36,16 @@ from typing import Any
 import httpx
 from elastic_kv.registry import Registry, RegistryConfig
 
-from elastic_kv_serve import memory, policy
+from elastic_kv_serve import host, memory, policy
 from elastic_kv_serve.config import ServeConfig
-from elastic_kv_serve.engines import (
-    EngineProcess,
-    EngineStartError,
-    SleepMode,
-    engine_env,
-    flag_values,
-    probe_sleep_mode,
-)
+from elastic_kv_serve.engines import EngineProcess, EngineStartError, engine_env
+from elastic_kv_serve.kinds import SleepMode, flag_values, kind_of
 from elastic_kv_serve.metrics import ServeMetrics
 from elastic_kv_serve.runtime import ModelRuntime, State
 
-__all__ = ["ModelUnavailable", "Supervisor", "UnknownModel"]
+__all__ = ["ModelUnavailable", "QueueFull", "Supervisor", "UnknownModel"]
 
 logger = logging.getLogger(__name__)
-
-_SLEEP_API = {
-    "vllm": ("/sleep?level=1", "/wake_up"),
-    "sglang": ("/release_memory_occupation", "/resume_memory_occupation"),
-}
 
 
 class UnknownModel(LookupError):
@@ -54,8 +53,16 @@ class UnknownModel(LookupError):
 
 
 class ModelUnavailable(RuntimeError):
-    """The model cannot serve now: its engine failed, it did not wake in time, or the server is stopping
-    (HTTP 503)."""
+    """The model cannot serve this request: its wait timed out, it was given up on, or the server is
+    stopping (HTTP 503, with ``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(ModelUnavailable):
+    """The model already has ``max_queued`` requests waiting (HTTP 429, with ``retry_after_s``)."""
 
 
 class Supervisor:
@@ -65,10 +72,13 @@ class Supervisor:
         self.config = config
         srv = config.server
         self.registry = Registry(srv.registry_dir or RegistryConfig.from_env().directory)
-        self._own_log_dir = srv.log_dir is None
         self.log_dir = Path(srv.log_dir or tempfile.mkdtemp(prefix="elastic-kv-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = memory.resolve_budget(srv.budget, srv.device_memory)
+        self.host = host.HostMemory(
+            host.resolve_host_budget(srv.host_budget, srv.host_memory),
+            srv.host_arena_dir or self.registry.directory,
+        )
         self.metrics = metrics or ServeMetrics()
         self.poll_s = poll_s
         self.models: dict[str, ModelRuntime] = {
@@ -83,10 +93,11 @@ class Supervisor:
         self.closing = False
         self._budget = memory.BudgetKeeper(self.registry)
         self._memory_lock = asyncio.Lock()  # one make-room decision at a time
-        self._start_lock = asyncio.Lock()  # engines start one at a time (profiling, 2-core hosts)
+        self._host_lock = asyncio.Lock()  # one sleep-level decision (and its sleep) at a time
+        self._starts = asyncio.Semaphore(srv.start_parallel)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._monitor: asyncio.Task[None] | None = None
-        self._probed = False
+        self._prepared = False
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_keepalive_connections=0)
         )
@@ -94,44 +105,55 @@ class Supervisor:
 
     # ------------------------------------------------------------------ life cycle
 
-    def probe_sleep_modes(self) -> None:
-        """Decide each model's sleep mode from a probe of its engine's platform (one probe per engine and
-        environment); ``EngineStartError`` when an engine cannot be loaded at all."""
+    def prepare(self) -> None:
+        """Before serving: decide each model's sleep mode from a probe of its engine's platform (one probe
+        per engine and environment), then create the host arena if a model sleeps into it.
+        :class:`EngineStartError` when an engine cannot be loaded at all, ``ConfigError`` for a host budget
+        the host cannot give."""
         modes: dict[tuple[str, frozenset[tuple[str, str]], tuple[str, ...]], SleepMode] = {}
         for rt in self.models.values():
             env = engine_env(rt.config, self.registry.directory)
             devices = tuple(flag_values(rt.config.args, "--device"))
             key = (rt.config.engine, frozenset(rt.config.env.items()), devices)
             if key not in modes:
-                modes[key] = probe_sleep_mode(rt.config, env)
+                try:
+                    modes[key] = kind_of(rt.config).probe(rt.config, env)
+                except RuntimeError as exc:
+                    raise EngineStartError(str(exc)) from None
             rt.sleep_mode = modes[key]
             logger.info("model %s: engine %s, sleep mode %s", rt.name, rt.config.engine, rt.sleep_mode)
-        self._probed = True
+        if any(rt.sleep_mode == "engine" and kind_of(rt.config).uses_arena for rt in self.models.values()):
+            self.host.create_arena()
+        self._prepared = True
 
     async def start(self) -> None:
-        """Start, one at a time, the models that fit (pinned first, then by priority); the others stay asleep
-        until asked for. Returns once the start-up is under way."""
-        if not self._probed:
-            await asyncio.to_thread(self.probe_sleep_modes)
+        """Start the models that fit (pinned first, then by priority; every model with ``preload``); the
+        others stay asleep until asked for. Returns once the start-up is under way."""
+        if not self._prepared:
+            await asyncio.to_thread(self.prepare)
         self._monitor = asyncio.create_task(self._monitor_loop(), name="monitor")
         order = sorted(self.models.values(), key=lambda r: (not r.config.pinned, -r.config.priority))
         self._spawn(self._start_up(order), "start-up")
 
     async def _start_up(self, order: list[ModelRuntime]) -> None:
-        for rt in order:
-            if self.closing:
-                return
-            used = self.used_bytes()
-            if not policy.fits(rt.weights_bytes, used, self.budget_bytes):
-                logger.info(
-                    "model %s stays asleep: its weights do not fit the budget beside the others", rt.name
-                )
-                continue
-            await self._bring_up(rt, State.STARTING, deadline=None)
+        if self.config.server.preload:
+            # Lowest priority first: each later start may put the earlier, lower ones to sleep.
+            starts = [self._bring_up(rt, State.STARTING, deadline=None) for rt in reversed(order)]
+        else:
+            starts = []
+            for rt in order:
+                if not policy.fits(rt.weights_bytes, self.used_bytes(), self.budget_bytes):
+                    logger.info(
+                        "model %s stays asleep: its weights do not fit the budget beside the others", rt.name
+                    )
+                    continue
+                rt.has_room = True  # claimed now, so that the next model's fit counts it
+                starts.append(self._bring_up(rt, State.STARTING, deadline=None))
+        await asyncio.gather(*starts)
 
     async def shutdown(self) -> None:
         """Stop every engine (in-flight requests are drained by the HTTP server before this is called),
-        reclaim the registry, restore the device budgets."""
+        reclaim the registry, restore the device budgets, remove the host arena."""
         self.closing = True
         if self._monitor is not None:
             self._monitor.cancel()
@@ -150,6 +172,7 @@ class Supervisor:
         await asyncio.gather(*(stop(rt) for rt in self.models.values()))
         await asyncio.to_thread(self.registry.reclaim)
         await asyncio.to_thread(self._budget.restore)
+        self.host.close()
         await self.client.aclose()
         logger.info("all engines stopped")
 
@@ -168,25 +191,33 @@ class Supervisor:
 
     @contextlib.asynccontextmanager
     async def admit(self, rt: ModelRuntime) -> AsyncIterator[str]:
-        """Wait until ``rt`` is awake (waking it if needed), count the request in flight, yield its URL."""
-        deadline = time.monotonic() + self.config.server.wake_timeout_s
+        """Wait until ``rt`` is awake (waking or starting it if needed, or waiting for its restart), count the
+        request in flight, yield its URL. :class:`QueueFull` or :class:`ModelUnavailable` otherwise."""
+        srv = self.config.server
+        if rt.queued >= srv.max_queued:
+            raise QueueFull(f"model {rt.name} has {rt.queued} requests waiting already", retry_after_s=1)
+        deadline = time.monotonic() + srv.wake_timeout_s
         rt.queued += 1
         try:
             while True:
                 if self.closing:
-                    raise ModelUnavailable("the server is shutting down")
+                    raise ModelUnavailable("the server is shutting down", retry_after_s=5)
                 if rt.state is State.AWAKE and rt.engine is not None:
                     url = rt.engine.url
                     break
-                if rt.state in (State.FAILED, State.STOPPED):
-                    raise ModelUnavailable(f"model {rt.name} is unavailable: {rt.error or rt.state.value}")
+                if rt.state is State.STOPPED:
+                    raise ModelUnavailable(
+                        f"model {rt.name} is unavailable: {rt.error or 'stopped'}", retry_after_s=60
+                    )
                 if rt.state is State.ASLEEP:
                     self._spawn(self._bring_up(rt, State.WAKING, deadline), f"wake-{rt.name}")
                     rt.set_state(State.WAKING)  # claimed now: concurrent requests wait for this wake
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ModelUnavailable(
-                        f"model {rt.name} did not wake within {self.config.server.wake_timeout_s:.0f} s"
+                        f"model {rt.name} did not become ready within {srv.wake_timeout_s:.0f} s "
+                        f"({rt.state.value})",
+                        retry_after_s=max(1, int(srv.wake_timeout_s / 10)),
                     )
                 await rt.wait_change(remaining)
         finally:
@@ -200,8 +231,8 @@ class Supervisor:
 
     async def upstream_failed(self, rt: ModelRuntime) -> None:
         """The router lost a request to ``rt``'s engine: if the engine is dead, fail the model now (its
-        other requests get 503 at once) instead of at the monitor's next look. A dying process closes its
-        sockets before it can be reaped, so this waits up to a second for the exit."""
+        restart starts at once) instead of at the monitor's next look. A dying process closes its sockets
+        before it can be reaped, so this waits up to a second for the exit."""
         engine = rt.engine
         for _ in range(20):
             if engine is None or rt.engine is not engine or rt.state is not State.AWAKE:
@@ -225,13 +256,18 @@ class Supervisor:
             if rt.state is State.AWAKE or self.closing:
                 return
             rt.set_state(state)
+            level = "cold"
             try:
                 await self._make_room(rt, deadline)
-                if rt.engine is not None and rt.engine.alive():
-                    await self._engine_call(rt, _SLEEP_API[rt.config.engine][1])
+                room_s = time.monotonic() - t0
+                engine = rt.engine
+                if engine is not None and engine.alive() and rt.sleep_level is not None:
+                    level = str(rt.sleep_level)
+                    await kind_of(rt.config).wake(self.client, engine.url, rt.config, rt.sleep_level)
                 else:
                     await self._cold_start(rt)
             except ModelUnavailable as exc:  # no room in time: it stays asleep, nothing failed
+                rt.has_room = False
                 self._sync_budget()
                 rt.set_state(State.ASLEEP, str(exc))
                 return
@@ -239,40 +275,47 @@ class Supervisor:
                 await self._failed(rt, f"{type(exc).__name__}: {exc}".splitlines()[0])
                 return
             took = time.monotonic() - t0
-            if state is State.WAKING:
-                rt.wakes += 1
-                rt.wake_seconds.append(took)
-                self.metrics.wake_seconds.labels(rt.name, rt.sleep_mode).observe(took)
+            kind = "wake" if state is State.WAKING else "start"
+            rt.record(kind, level, took, room_s)
+            if kind == "wake":
+                self.metrics.wake_seconds.labels(rt.name, rt.sleep_mode, level).observe(took)
+            rt.sleep_level = None
             rt.failures = 0
             rt.touch()
             rt.set_state(State.AWAKE)
+            await self._refresh_host()
             self._sync_budget()
-            logger.info("model %s is awake (%s in %.1f s)", rt.name, state.value, took)
+            logger.info("model %s is awake (%s, %s, in %.2f s)", rt.name, state.value, level, took)
 
     async def _cold_start(self, rt: ModelRuntime) -> None:
-        async with self._start_lock:
+        async with self._starts:
             if rt.engine is not None:
                 rt.engine.kill()
-            env = engine_env(rt.config, self.registry.directory)
+                rt.engine = None
+                await self._reclaim()
+            arena = self.host.arena.path if self.host.arena is not None else None
+            env = engine_env(rt.config, self.registry.directory, host_arena=arena)
             rt.engine = EngineProcess.spawn(rt.config, rt.sleep_mode, env, self.log_dir)
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
+                if rt.sleep_mode == "engine":
+                    await kind_of(rt.config).after_start(self.client, rt.engine.url, arena is not None)
             except BaseException:
                 rt.engine.kill()
-                await asyncio.to_thread(self.registry.reclaim)
+                await self._reclaim()
                 raise
 
-    async def _engine_call(self, rt: ModelRuntime, path: str) -> None:
-        assert rt.engine is not None
-        body: dict[str, Any] | None = {} if rt.config.engine == "sglang" else None
-        reply = await self.client.post(f"{rt.engine.url}{path}", json=body, timeout=300.0)
-        reply.raise_for_status()
+    async def _reclaim(self) -> None:
+        """Give back what dead engines held: pool records and budget charges, host arena extents."""
+        await asyncio.to_thread(self.registry.reclaim)
+        await asyncio.to_thread(self.host.reclaim_dead)
 
     async def _make_room(self, rt: ModelRuntime, deadline: float | None) -> None:
         """Put idle models to sleep until ``rt``'s weights and idle KV fit the budget; wait for models to
         become idle while none can go; ``ModelUnavailable`` at the deadline."""
         need = rt.weights_bytes + rt.idle_kv_bytes
         async with self._memory_lock:
+            rt.has_room = False  # a claim made at start-up is made again here, against what holds now
             while True:
                 used = self.used_bytes(exclude=rt)
                 candidates = [
@@ -303,30 +346,45 @@ class Supervisor:
             self._sync_budget()
 
     async def _sleep(self, rt: ModelRuntime, reason: str) -> None:
-        """Put an awake, idle model to sleep (its engine's API, or stop its process)."""
+        """Put an awake, idle model to sleep: through its engine at the level host memory allows
+        (:meth:`elastic_kv_serve.host.HostMemory.level_for`), or by stopping its process."""
         if rt.state is not State.AWAKE or rt.busy:
             return
         rt.idle_kv_bytes = rt.kv_bytes
         rt.set_state(State.SLEEPING)
         t0 = time.monotonic()
-        try:
+        kind = kind_of(rt.config)
+        async with self._host_lock:
+            level = 0
             if rt.sleep_mode == "engine" and rt.engine is not None:
-                await self._engine_call(rt, _SLEEP_API[rt.config.engine][0])
-            elif rt.engine is not None:
+                level = self.host.level_for(kind, rt.host_need_bytes or rt.weights_bytes)
+            try:
+                if level and rt.engine is not None:
+                    await kind.sleep(self.client, rt.engine.url, rt.config, level)
+                    rt.sleep_level = level
+            except httpx.HTTPError as exc:
+                logger.warning("model %s did not sleep (%s): stopping its engine", rt.name, exc)
+                level = 0
+            if not level and rt.engine is not None:
                 await rt.engine.stop()
                 rt.engine = None
-                await asyncio.to_thread(self.registry.reclaim)
-        except httpx.HTTPError as exc:
-            logger.warning("model %s did not sleep (%s): stopping its engine", rt.name, exc)
-            if rt.engine is not None:
-                await rt.engine.stop()
-                rt.engine = None
-        rt.sleeps += 1
+                rt.sleep_level = None
+                await self._reclaim()
+            await self._refresh_host()
+            if level == 1 and kind.uses_arena and rt.host_bytes:
+                rt.host_need_bytes = rt.host_bytes
+        took = time.monotonic() - t0
+        rt.record("sleep", str(level) if level else "stop", took)
+        self.metrics.sleep_seconds.labels(rt.name, str(level) if level else "stop").observe(took)
         rt.set_state(State.ASLEEP)
         await self._refresh_kv()
         self._sync_budget()
         logger.info(
-            "model %s is asleep (%s, %s, %.1f s)", rt.name, reason, rt.sleep_mode, time.monotonic() - t0
+            "model %s is asleep (%s, %s, %.2f s)",
+            rt.name,
+            reason,
+            f"level {level}" if level else "stopped",
+            took,
         )
 
     async def _failed(self, rt: ModelRuntime, error: str) -> None:
@@ -337,7 +395,8 @@ class Supervisor:
             rt.engine.kill()
             rt.engine = None
             error = f"{error} (log {log})"
-        await asyncio.to_thread(self.registry.reclaim)
+        rt.sleep_level = None
+        await self._reclaim()
         rt.failures += 1
         logger.error("model %s failed: %s", rt.name, error)
         if rt.failures > srv.max_restarts or self.closing:
@@ -367,11 +426,17 @@ class Supervisor:
             tick += 1
             try:
                 await self._refresh_kv()
+                await self._refresh_host()
                 for rt in self.models.values():
-                    if rt.state is State.AWAKE and rt.engine is not None and not rt.engine.alive():
-                        await self._failed(rt, f"engine exited with {rt.engine.proc.returncode}")
-                    elif rt.state is State.AWAKE and rt.engine is not None and tick % health_every == 0:
-                        self._spawn(self._check_health(rt), f"health-{rt.name}")
+                    engine = rt.engine
+                    if engine is None or engine.alive():
+                        if rt.state is State.AWAKE and engine is not None and tick % health_every == 0:
+                            self._spawn(self._check_health(rt), f"health-{rt.name}")
+                        continue
+                    if rt.state is State.AWAKE:
+                        await self._failed(rt, f"engine exited with {engine.proc.returncode}")
+                    elif rt.state is State.ASLEEP and not rt.lock.locked():
+                        await self._died_asleep(rt, engine)
                 now = time.monotonic()
                 awake = [
                     policy.Candidate(
@@ -394,6 +459,20 @@ class Supervisor:
             except Exception:
                 logger.exception("monitor step failed")
             await asyncio.sleep(self.poll_s)
+
+    async def _died_asleep(self, rt: ModelRuntime, engine: EngineProcess) -> None:
+        """An asleep engine's process died: clean up after it; its next request cold-starts it."""
+        logger.warning(
+            "model %s: its asleep engine exited with %s (log %s); its next request starts it again",
+            rt.name,
+            engine.proc.returncode,
+            engine.log_path,
+        )
+        engine.kill()
+        rt.engine = None
+        rt.sleep_level = None
+        await self._reclaim()
+        await self._refresh_host()
 
     async def _idle_sleep(self, rt: ModelRuntime) -> None:
         async with rt.lock:
@@ -422,6 +501,16 @@ class Supervisor:
             if rt.state is State.AWAKE and not rt.busy:
                 rt.idle_kv_bytes = rt.kv_bytes
 
+    async def _refresh_host(self) -> None:
+        """Each model's host bytes: its arena extents, or (engines keeping their own copies) its weights
+        while asleep at level 1."""
+        owners = self.host.by_owner()
+        for rt in self.models.values():
+            if kind_of(rt.config).uses_arena:
+                rt.host_bytes = owners.get(rt.config.pool_name, 0)
+            else:
+                rt.host_bytes = rt.weights_bytes if rt.sleep_level == 1 else 0
+
     def _sync_budget(self) -> None:
         """Keep each device's KV budget at *budget - weights of the models that have room for them*."""
         if self.budget_bytes is None:
@@ -431,11 +520,18 @@ class Supervisor:
 
     # ------------------------------------------------------------------ visibility
 
+    def host_used_bytes(self) -> int:
+        """Host memory asleep models' weights take (the arena's and the engines' own copies)."""
+        return sum(rt.host_bytes for rt in self.models.values())
+
     def status(self) -> dict[str, Any]:
-        """The ``/status`` document: the server's budget and every model's entry."""
+        """The ``/status`` document: the server's budgets and every model's entry."""
         return {
             "budget_bytes": self.budget_bytes,
             "used_bytes": self.used_bytes(),
+            "host_budget_bytes": self.host.budget_bytes,
+            "host_used_bytes": self.host_used_bytes(),
+            "host_arena": str(self.host.arena.path) if self.host.arena is not None else None,
             "devices": sorted(self.devices),
             "registry_dir": str(self.registry.directory),
             "log_dir": str(self.log_dir),

@@ -1,0 +1,206 @@
+"""What differs between engines: how each is started, probed, put to sleep and woken.
+
+One :class:`EngineKind` per ``engine`` value of the config:
+
+* ``vllm`` -- ``python -m vllm.entrypoints.openai.api_server``. Sleeps through its API where the platform
+  allows (``current_platform.is_sleep_mode_available()``: CUDA, ROCm, XPU), started with
+  ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``. Level 1: ``POST /sleep?level=1`` keeps the weights
+  in host memory (the host arena, through the plugin's sleep-mode backend), ``POST /wake_up`` brings them
+  back. Level 2: ``POST /sleep?level=2`` drops them; waking is vLLM's documented sequence ``/wake_up?tags=
+  weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint), ``/wake_up?tags=kv_cache``. Once
+  it serves, ``/collective_rpc`` ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no
+  sleep pays for pinning.
+* ``sglang`` -- ``python -m sglang.launch_server``; sleeps where CUDA and ``torch_memory_saver`` are there
+  (``--enable-memory-saver``): ``/release_memory_occupation`` and ``/resume_memory_occupation``, level 1
+  only, host memory counted as its weights (SGLang keeps them itself, outside the arena).
+* ``command`` -- any OpenAI-compatible server the config starts with ``command`` (``{port}`` and
+  ``{model}`` substituted); it sleeps through ``sleep_path`` / ``wake_path`` (``{level}`` substituted:
+  levels 1 and 2) when both are given, and its level-1 copies are expected in the arena it finds in
+  ``ELASTIC_KV_HOST_ARENA``.
+
+Where an engine cannot sleep through its API, sleeping stops its process (``stop`` mode) and waking
+cold-starts it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import httpx
+
+from elastic_kv_serve.config import ModelConfig
+
+__all__ = ["KINDS", "EngineKind", "SleepMode", "flag_values", "kind_of"]
+
+SleepMode = Literal["engine", "stop"]
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """The values given to ``flag`` in ``args`` (``--flag V`` and ``--flag=V``)."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif arg.startswith(flag + "="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+async def _post(client: httpx.AsyncClient, url: str, json: Any = None) -> None:
+    reply = await client.post(url, json=json, timeout=600.0)
+    reply.raise_for_status()
+
+
+class EngineKind:
+    """The base: an engine that cannot sleep through its API (see the module docstring)."""
+
+    name = ""
+    levels: tuple[int, ...] = ()  # API sleep levels
+    uses_arena = False  # its level-1 copies go to the host arena (else: host memory of its own)
+    probe_code: str | None = None  # one line of Python printing 1 when the platform can sleep
+
+    def argv(self, model: ModelConfig, port: int, sleep_mode: SleepMode) -> list[str]:
+        """The engine's command line."""
+        raise NotImplementedError
+
+    def extra_env(self, sleep_mode: SleepMode) -> dict[str, str]:
+        """Variables the engine needs for ``sleep_mode``."""
+        return {}
+
+    def probe(self, model: ModelConfig, env: Mapping[str, str], timeout_s: float = 120.0) -> SleepMode:
+        """``engine`` when the model's engine can sleep through its API here, else ``stop``: the engine's own
+        platform check, run in a child with the engine's environment. :class:`RuntimeError` (its last
+        line) when the engine cannot even be imported."""
+        if self.probe_code is None:
+            return "stop"
+        done = subprocess.run(
+            [sys.executable, "-c", self.probe_code],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines or lines[-1] not in ("0", "1"):
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"model {model.name}: cannot load engine {self.name}: {tail[0]}")
+        return "engine" if lines[-1] == "1" else "stop"
+
+    def health_path(self, model: ModelConfig) -> str:
+        return "/health"
+
+    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
+        """Once the engine answers its health check (before it serves)."""
+
+    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        raise NotImplementedError
+
+    async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        raise NotImplementedError
+
+
+class VllmKind(EngineKind):
+    name = "vllm"
+    levels = (1, 2)
+    uses_arena = True
+    probe_code = "from vllm.platforms import current_platform as p; print(int(p.is_sleep_mode_available()))"
+
+    def argv(self, model: ModelConfig, port: int, sleep_mode: SleepMode) -> list[str]:
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model.model, "--served-model-name", model.name,
+            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-backend", "elastic",
+        ]  # fmt: skip
+        if sleep_mode == "engine":
+            argv.append("--enable-sleep-mode")
+        return argv + list(model.args)
+
+    def extra_env(self, sleep_mode: SleepMode) -> dict[str, str]:
+        return {"VLLM_SERVER_DEV_MODE": "1"} if sleep_mode == "engine" else {}  # /sleep, /collective_rpc
+
+    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
+        if arena:
+            await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_pin_host"})
+
+    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        await _post(client, f"{url}/sleep?level={level}")
+
+    async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        if level == 1:
+            await _post(client, f"{url}/wake_up")
+            return
+        await _post(client, f"{url}/wake_up?tags=weights")
+        await _post(client, f"{url}/collective_rpc", {"method": "reload_weights"})
+        await _post(client, f"{url}/wake_up?tags=kv_cache")
+
+
+class SglangKind(EngineKind):
+    name = "sglang"
+    levels = (1,)
+    probe_code = (
+        "import importlib.util, torch; "
+        "print(int(torch.cuda.is_available() and importlib.util.find_spec('torch_memory_saver') is not None))"
+    )
+
+    def argv(self, model: ModelConfig, port: int, sleep_mode: SleepMode) -> list[str]:
+        argv = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", model.model, "--served-model-name", model.name,
+            "--host", "127.0.0.1", "--port", str(port), "--kv-cache-backend=elastic",
+        ]  # fmt: skip
+        if sleep_mode == "engine":
+            argv.append("--enable-memory-saver")
+        return argv + list(model.args)
+
+    def probe(self, model: ModelConfig, env: Mapping[str, str], timeout_s: float = 120.0) -> SleepMode:
+        if "cpu" in flag_values(model.args, "--device"):
+            return "stop"
+        return super().probe(model, env, timeout_s)
+
+    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        await _post(client, f"{url}/release_memory_occupation", {})
+
+    async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        await _post(client, f"{url}/resume_memory_occupation", {})
+
+
+class CommandKind(EngineKind):
+    name = "command"
+    levels = (1, 2)
+    uses_arena = True
+
+    def argv(self, model: ModelConfig, port: int, sleep_mode: SleepMode) -> list[str]:
+        assert model.command is not None  # the config's validator requires it
+        fill = {"{port}": str(port), "{model}": model.model}
+        out = []
+        for part in [*model.command, *model.args]:
+            for key, value in fill.items():
+                part = part.replace(key, value)
+            out.append(part)
+        return out
+
+    def probe(self, model: ModelConfig, env: Mapping[str, str], timeout_s: float = 120.0) -> SleepMode:
+        return "engine" if model.sleep_path is not None else "stop"
+
+    def health_path(self, model: ModelConfig) -> str:
+        return model.health_path
+
+    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        assert model.sleep_path is not None
+        await _post(client, url + model.sleep_path.replace("{level}", str(level)))
+
+    async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+        assert model.wake_path is not None
+        await _post(client, url + model.wake_path.replace("{level}", str(level)))
+
+
+KINDS: dict[str, EngineKind] = {k.name: k for k in (VllmKind(), SglangKind(), CommandKind())}
+
+
+def kind_of(model: ModelConfig) -> EngineKind:
+    """The :class:`EngineKind` of ``model``'s ``engine``."""
+    return KINDS[model.engine]

@@ -1,0 +1,240 @@
+"""``elastic-kv serve`` with more models than fit, engines that sleep through their APIs, and a host budget.
+
+vLLM and SGLang cannot sleep through their APIs on the CPU, so the engines here are
+``tests/support/toy_engine.py`` processes (``engine = "command"``): real HTTP servers whose 10 MiB of
+"weights" go into the server's host arena at level 1, are dropped at level 2 and read back from their
+checkpoint on wake-up, and whose answers depend on every byte of them.
+
+The module's server: four models of 10 MiB, a 30 MiB device budget (three awake), a 10 MiB host budget
+(one level-1 copy), two engines starting at once. The tests run in file order on it: parallel start-up;
+room made by putting the least recently used model to sleep at level 1; a second sleep while the arena is
+full goes to level 2; an asleep engine killed is cleaned up and cold-started; an awake one killed is
+restarted and the requests waiting for it are served; metrics; a shutdown that leaves nothing. Two small
+servers of their own cover the wait queue (429, then 503 at the wait's timeout, each with ``Retry-After``)
+and ``preload``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.support.serve import ServeProcess
+from tests.support.toy_engine import answer, make_checkpoint
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+TOY = str(Path(__file__).resolve().parents[1] / "support" / "toy_engine.py")
+
+
+def _toy(name: str, folder: Path, seed: int, *, delay: float = 1.5, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "engine": "command",
+        "model": str(make_checkpoint(folder / name, 10 * MiB, seed)),
+        "command": [
+            sys.executable,
+            TOY,
+            "--port",
+            "{port}",
+            "--model",
+            "{model}",
+            "--start-delay",
+            str(delay),
+        ],
+        "sleep_path": "/sleep?level={level}",
+        "wake_path": "/wake_up?level={level}",
+        "idle_sleep_s": 0,
+        **extra,
+    }
+
+
+def _expected(folder: Path, name: str, prompt: str, n: int = 6) -> str:
+    return answer(prompt, (folder / name / "weights.bin").read_bytes(), n)
+
+
+def _ask(srv: ServeProcess, model: str, prompt: str = "hello", n: int = 6) -> httpx.Response:
+    return httpx.post(
+        f"{srv.url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": n}, timeout=120
+    )
+
+
+def _text(reply: httpx.Response) -> str:
+    assert reply.status_code == 200, reply.text
+    text: str = reply.json()["choices"][0]["text"]
+    return text
+
+
+def _transitions(status: dict[str, Any], name: str, kind: str) -> list[dict[str, Any]]:
+    return [t for t in status[name]["transitions"] if t["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("toys")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, folder: Path) -> Iterator[ServeProcess]:
+    models = [_toy(name, folder, seed) for seed, name in enumerate("abcd")]
+    srv = ServeProcess(
+        tmp_path_factory.mktemp("serve"),
+        {"budget": "30M", "host_budget": "10M", "start_parallel": 2, "wake_timeout_s": 120,
+         "restart_backoff_s": 0.2},
+        models,
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "awake"}, timeout_s=120)
+        yield srv
+    finally:
+        srv.stop()
+
+
+SEEN: dict[str, Any] = {"pids": set()}
+
+
+def _note_pids(srv: ServeProcess) -> dict[str, Any]:
+    status = srv.status()
+    SEEN["pids"].update(m["pid"] for m in status.values() if m["pid"])
+    return status
+
+
+def test_start_up_runs_two_engines_at_once_within_the_budget(server: ServeProcess) -> None:
+    status = _note_pids(server)
+    assert [status[n]["state"] for n in "abcd"] == ["awake", "awake", "awake", "asleep"]
+    spans = sorted((t["at"] - t["seconds"], t["at"]) for n in "abc" for t in _transitions(status, n, "start"))
+    assert len(spans) == 3 and spans[0][1] > spans[1][0], f"the first two starts did not overlap: {spans}"
+    doc = server.document()
+    assert doc["host_budget_bytes"] == 10 * MiB and doc["host_used_bytes"] == 0
+    assert doc["host_arena"] is not None and Path(doc["host_arena"]).exists()
+    SEEN["arena"] = Path(doc["host_arena"])
+
+
+def test_each_model_answers_from_its_own_weights(server: ServeProcess, folder: Path) -> None:
+    for name in "abc":  # also the order of last use: a is the least recently used now
+        assert _text(_ask(server, name)) == _expected(folder, name, "hello")
+        time.sleep(0.05)
+
+
+def test_a_wake_puts_the_least_recently_used_model_to_sleep_at_level_1(
+    server: ServeProcess, folder: Path
+) -> None:
+    assert _text(_ask(server, "d")) == _expected(folder, "d", "hello")  # d starts: a makes room
+    status = _note_pids(server)
+    assert [status[n]["state"] for n in "abcd"] == ["asleep", "awake", "awake", "awake"]
+    (sleep,) = _transitions(status, "a", "sleep")
+    assert sleep["level"] == "1" and status["a"]["sleep_level"] == 1
+    assert status["a"]["host_bytes"] == 10 * MiB and status["a"]["pid"] is not None  # asleep, not stopped
+    assert server.document()["host_used_bytes"] == 10 * MiB
+
+
+def test_with_the_arena_full_the_next_sleep_is_level_2(server: ServeProcess, folder: Path) -> None:
+    assert _text(_ask(server, "a", "again")) == _expected(folder, "a", "again")  # a wakes: b makes room
+    status = server.status()
+    (wake,) = _transitions(status, "a", "wake")
+    assert wake["level"] == "1" and wake["room_seconds"] > 0
+    (sleep,) = _transitions(status, "b", "sleep")
+    assert sleep["level"] == "2", "the arena held a's weights when b went to sleep"
+    assert status["b"]["host_bytes"] == 0 and status["a"]["host_bytes"] == 0
+    assert _text(_ask(server, "b", "back")) == _expected(folder, "b", "back")  # c makes room (level 1)
+    status = server.status()
+    assert _transitions(status, "b", "wake")[-1]["level"] == "2"  # read back from its checkpoint
+    assert _transitions(status, "c", "sleep")[-1]["level"] == "1" and status["c"]["host_bytes"] == 10 * MiB
+
+
+def test_an_asleep_engine_that_dies_is_cleaned_up_and_cold_started(
+    server: ServeProcess, folder: Path
+) -> None:
+    victim = _note_pids(server)["c"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        doc = server.document()
+        c = next(m for m in doc["models"] if m["name"] == "c")
+        if c["pid"] is None and doc["host_used_bytes"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the dead asleep engine was not cleaned up: {server.log_tail()}")
+    assert c["state"] == "asleep"
+    assert _text(_ask(server, "c", "cold")) == _expected(folder, "c", "cold")
+    assert _transitions(server.status(), "c", "wake")[-1]["level"] == "cold"
+
+
+def test_an_awake_engine_that_dies_is_restarted_and_its_waiting_requests_served(
+    server: ServeProcess, folder: Path
+) -> None:
+    status = _note_pids(server)
+    name = next(n for n in "abcd" if status[n]["state"] == "awake")
+    os.kill(status[name]["pid"], signal.SIGKILL)
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda i: _ask(server, name, f"q{i}"), range(3)))
+    assert [_text(r) for r in replies] == [_expected(folder, name, f"q{i}") for i in range(3)]
+    status = _note_pids(server)
+    assert status[name]["restarts"] == 1 and status[name]["state"] == "awake"
+
+
+def test_metrics_show_host_memory_and_sleep_levels(server: ServeProcess) -> None:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert "elastic_kv_serve_host_budget_bytes 1.048576e+07" in text
+    assert 'elastic_kv_serve_sleep_seconds_count{level="2",model="b"} 1.0' in text
+    assert 'elastic_kv_serve_wake_seconds_count{level="1",mode="engine",model="a"} 1.0' in text
+
+
+def test_shutdown_removes_the_arena_and_every_engine(server: ServeProcess) -> None:
+    _note_pids(server)
+    assert server.stop() == -signal.SIGTERM
+    assert not SEEN["arena"].exists()
+    alive = [p for p in SEEN["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive
+
+
+def test_a_full_queue_is_429_and_a_wait_past_its_timeout_503_both_with_retry_after(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "q").mkdir()
+    srv = ServeProcess(
+        tmp_path / "q",
+        {"max_queued": 2, "wake_timeout_s": 1.5},
+        [_toy("slow", tmp_path, 7, delay=6.0)],
+    )
+    try:
+        srv.wait_for({"slow": "starting"}, timeout_s=30)
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda i: _ask(srv, "slow", f"p{i}"), range(4)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [429, 429, 503, 503], [r.text for r in replies]
+        for reply in replies:
+            assert int(reply.headers["retry-after"]) >= 1
+            assert reply.json()["error"]["type"] in ("RateLimitError", "ServiceUnavailableError")
+        srv.wait_for({"slow": "awake"}, timeout_s=60)
+        assert _text(_ask(srv, "slow", "p0")) == _expected(tmp_path, "slow", "p0")
+    finally:
+        srv.stop()
+
+
+def test_preload_starts_every_model_and_leaves_the_ones_that_do_not_fit_asleep(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    srv = ServeProcess(
+        tmp_path / "p",
+        {"budget": "10M", "host_budget": "10M", "preload": True},
+        [_toy("hi", tmp_path, 1, delay=0.5), _toy("lo", tmp_path, 2, delay=0.5)],
+    )
+    try:
+        status = srv.wait_for({"hi": "awake", "lo": "asleep"}, timeout_s=60)
+        assert status["lo"]["sleep_level"] == 1 and _transitions(status, "lo", "start")
+        assert _text(_ask(srv, "lo")) == _expected(tmp_path, "lo", "hello")  # hi makes room (equal priority)
+        assert _transitions(srv.status(), "lo", "wake")[-1]["level"] == "1"  # a wake, not a cold start
+    finally:
+        srv.stop()

@@ -1,0 +1,132 @@
+"""A small OpenAI-style engine that sleeps through its API, for ``elastic-kv serve``'s tests on the CPU.
+
+vLLM and SGLang cannot sleep through their APIs on the CPU (their platforms refuse sleep mode), so the
+server's host-memory decisions -- level 1 into the host arena, level 2, a stop -- need an engine that can.
+This is a real process serving real HTTP (FastAPI on uvicorn), started by the server as an
+``engine = "command"`` model: its "weights" are the bytes of ``weights.bin`` in the model folder, held in
+memory while awake; every answer is derived from the prompt and a digest of the weights held, so a wake
+that restored them wrongly answers differently.
+
+    python toy_engine.py --port P --model DIR [--start-delay S] [--token-ms MS]
+
+Routes: ``GET /health``, ``POST /v1/completions`` (``prompt``, ``max_tokens``; takes ``token-ms`` per token),
+``POST /sleep?level=1`` (the weights into an extent of the host arena named by ``ELASTIC_KV_HOST_ARENA``,
+owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropped), ``POST
+/wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from elastic_kv.host import Extent, HostArena
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+WEIGHTS = "weights.bin"
+
+
+def make_checkpoint(path: Path, nbytes: int, seed: int) -> Path:
+    """A model folder whose ``weights.bin`` holds ``nbytes`` bytes derived from ``seed``."""
+    path.mkdir(parents=True, exist_ok=True)
+    block = hashlib.sha256(str(seed).encode()).digest() * 1024
+    data = (block * (nbytes // len(block) + 1))[:nbytes]
+    (path / WEIGHTS).write_bytes(data)
+    return path
+
+
+def answer(prompt: str, weights: bytes, n: int) -> str:
+    """What the engine answers ``prompt`` with, given its weights."""
+    digest = hashlib.sha256(hashlib.sha256(weights).digest() + prompt.encode()).hexdigest()
+    return " ".join(digest[i % 60 : i % 60 + 4] for i in range(n))
+
+
+class Engine:
+    def __init__(self, model: Path, token_s: float) -> None:
+        self.model = model
+        self.token_s = token_s
+        self.weights: bytes | None = (model / WEIGHTS).read_bytes()
+        path = os.environ.get("ELASTIC_KV_HOST_ARENA")
+        self.arena = HostArena.open(Path(path)) if path else None
+        self.owner = os.environ.get("ELASTIC_KV_POOL_NAME", "toy")
+        self.extent: Extent | None = None
+        self.level = 0
+
+    def sleep(self, level: int) -> None:
+        assert self.weights is not None, "asleep already"
+        if level == 1:
+            if self.arena is None:
+                raise RuntimeError("level 1 needs a host arena")
+            extent = self.arena.take(len(self.weights), self.owner)
+            if extent is None:
+                raise RuntimeError("the host arena has no room")
+            self.arena.view(extent)[: len(self.weights)] = self.weights
+            self.extent = extent
+        self.weights = None
+        self.level = level
+
+    def wake(self, level: int) -> None:
+        assert self.weights is None and level == self.level, (level, self.level)
+        if level == 1:
+            assert self.arena is not None and self.extent is not None
+            size = (self.model / WEIGHTS).stat().st_size
+            self.weights = bytes(self.arena.view(self.extent)[:size])
+            self.arena.give_back(self.extent)
+            self.extent = None
+        else:
+            self.weights = (self.model / WEIGHTS).read_bytes()
+        self.level = 0
+
+
+def build_app(engine: Engine) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        if engine.weights is None:
+            return JSONResponse({"error": {"message": "asleep", "code": 503}}, status_code=503)
+        n = int(body.get("max_tokens", 8))
+        await asyncio.sleep(n * engine.token_s)
+        text = answer(str(body.get("prompt", "")), engine.weights, n)
+        return {"object": "text_completion", "model": body.get("model"),
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}  # fmt: skip
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> dict[str, int]:
+        engine.sleep(level)
+        return {"level": level}
+
+    @app.post("/wake_up")
+    async def wake_up(level: int = 1) -> dict[str, int]:
+        engine.wake(level)
+        return {"level": level}
+
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--start-delay", type=float, default=0.0, help="seconds before it serves")
+    p.add_argument("--token-ms", type=float, default=0.0, help="milliseconds per generated token")
+    args = p.parse_args()
+    time.sleep(args.start_delay)
+    engine = Engine(args.model, args.token_ms / 1000)
+    uvicorn.run(build_app(engine), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
