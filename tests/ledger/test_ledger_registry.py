@@ -8,6 +8,7 @@ the record's charge always equals what the data plane backs; snapshots reach ``k
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,4 +111,49 @@ def test_kvctl_trim_holds_until_the_pool_allocates_again(tmp_path: Path) -> None
         assert pool.ledger.snapshot().reserve_pages == 2
     finally:
         pool.close()
+        record.close()
+
+
+def test_a_new_pool_waits_for_room_for_its_first_page_instead_of_failing(tmp_path: Path) -> None:
+    """A neighbour holds the whole device budget while a pool starts: the pool's first page waits for the
+    neighbour to give memory back (``start_wait_s``) instead of failing the engine; with no room in time
+    it fails with ``PoolExhausted`` and leaves nothing charged."""
+    import threading
+    import time
+
+    from elastic_kv.errors import PoolExhausted
+
+    view = registry.Registry(tmp_path)
+    view.set_budget("gpu0", 2 * PAGE)
+    records = {
+        name: registry.PoolRecord.create(
+            name, device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+        )
+        for name in ("busy", "late", "never")
+    }
+    # the neighbour keeps no reserve: the pages its requests free go back to the budget
+    busy = make_pool(config=replace(CFG, reserve_max_pages=0), record=records["busy"], name="busy")
+    blocks = busy.ledger.alloc(3 + 4)  # the null block's page and one more: the budget is spent
+    assert blocks is not None and records["busy"].charged_bytes == 2 * PAGE
+    with pytest.raises(PoolExhausted):
+        make_pool(config=replace(CFG, start_wait_s=0.2), record=records["never"], name="never")
+    assert records["never"].charged_bytes == 0
+
+    def give_back() -> None:  # the neighbour's requests end (on its own thread)
+        busy.ledger.bind_thread()
+        busy.ledger.free(blocks)
+        busy.ledger.maintain()
+
+    release = threading.Timer(0.5, give_back)
+    release.start()
+    t0 = time.monotonic()
+    late = make_pool(config=replace(CFG, start_wait_s=30), record=records["late"], name="late")
+    waited = time.monotonic() - t0
+    release.join()
+    assert 0.4 < waited < 10 and records["late"].charged_bytes == PAGE
+    busy.ledger.bind_thread()
+    for pool in (late, busy):
+        pool.close()
+    for record in records.values():
+        assert record.charged_bytes == 0
         record.close()

@@ -22,6 +22,8 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
     ELASTIC_KV_PUBLISH_INTERVAL_S seconds between two snapshots published to the shared record (0.1)
     ELASTIC_KV_REGISTRY_DIR       directory of the shared pool records (default: the registry's own)
     ELASTIC_KV_POOL_NAME          name of the pool's shared record (default: chosen by the engine plugin)
+    ELASTIC_KV_START_WAIT_S       seconds a new pool waits for room (a limit or a budget that neighbours
+                                  fill) to back its first page, before it gives up (60)
     ELASTIC_KV_HOST_ARENA         a host arena file (elastic_kv.host) where the engine keeps its weights
                                   while asleep; set by ``elastic-kv serve`` (default: none)
 """
@@ -76,6 +78,7 @@ class ElasticConfig:
     publish_interval_s: float = 0.1
     registry_dir: Path | None = None
     pool_name: str | None = None
+    start_wait_s: float = 60.0
     host_arena: Path | None = None
 
     def __post_init__(self) -> None:
@@ -100,7 +103,7 @@ class ElasticConfig:
         for name in ("limit_bytes", "min_free_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("free_memory_ttl_s", "publish_interval_s"):
+        for name in ("free_memory_ttl_s", "publish_interval_s", "start_wait_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"{name}={value} must be a finite number >= 0")
@@ -133,6 +136,7 @@ class ElasticConfig:
             "PUBLISH_INTERVAL_S": ("publish_interval_s", float),
             "REGISTRY_DIR": ("registry_dir", Path),
             "POOL_NAME": ("pool_name", str),
+            "START_WAIT_S": ("start_wait_s", float),
             "HOST_ARENA": ("host_arena", Path),
         }
         values: dict[str, Any] = {}

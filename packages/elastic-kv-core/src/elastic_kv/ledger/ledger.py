@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
 from elastic_kv.config import ElasticConfig
+from elastic_kv.errors import PoolExhausted
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ledger.drain import Drain
 from elastic_kv.ledger.guard import PoolGuard
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from elastic_kv.registry import DeviceShare, PoolRecord
 
 __all__ = ["Ledger"]
+
+logger = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -55,7 +59,8 @@ class Ledger:
             (``benchmarks/ledger_trace.py`` compares such rules).
 
     Raises:
-        PoolExhausted: the null block's page cannot be backed.
+        PoolExhausted: the null block's page cannot be backed, after waiting ``config.start_wait_s`` for
+            room where a limit or the budget refused it.
         ValueError: ``null_block`` out of range.
     """
 
@@ -98,11 +103,32 @@ class Ledger:
                 raise ValueError(f"null_block={null_block} outside 0..{nb - 1}")
             page = null_block // bpp
             self._book.take_unmapped(page)
-            self._backing.map_now([page])
+            self._map_first_page(page, cfg.start_wait_s, clock)
             self._book.hold_null(null_block)
         self._drain = Drain(self._book, self._phys, self._backing, name, null_block, self._snapshot)
         self._release = PageRelease(self._book, self._backing, self._phys, cfg, self._drain)
         self._phys.refresh(force=True)
+
+    def _map_first_page(self, page: int, wait_s: float, clock: Callable[[], float]) -> None:
+        """Back the null block's page. While a limit or the device budget has no room for it (neighbours
+        hold the budget: they give it back as their requests end), wait for it up to ``wait_s``, rather
+        than fail a whole engine's start for one page; then ``PoolExhausted``."""
+        deadline = clock() + wait_s
+        pause = 0.02
+        while True:
+            try:
+                self._backing.map_now([page])
+                return
+            except PoolExhausted:
+                if clock() >= deadline:
+                    raise
+                if pause == 0.02:
+                    logger.info(
+                        "pool %s: waiting up to %.0f s for room for its first page", self._name, wait_s
+                    )
+                time.sleep(pause)
+                pause = min(0.5, pause * 2)
+                self._phys.refresh(force=True)
 
     # -- queries ----------------------------------------------------------------------------------------
 
