@@ -9,9 +9,9 @@ The module's server: four models of 10 MiB, a 30 MiB device budget (three awake)
 (one level-1 copy), two engines starting at once. The tests run in file order on it: parallel start-up;
 room made by putting the least recently used model to sleep at level 1; a second sleep while the arena is
 full goes to level 2; an asleep engine killed is cleaned up and cold-started; an awake one killed is
-restarted and the requests waiting for it are served; metrics; a shutdown that leaves nothing. Two small
-servers of their own cover the wait queue (429, then 503 at the wait's timeout, each with ``Retry-After``)
-and ``preload``.
+restarted and the requests waiting for it are served; metrics; a shutdown that leaves nothing. Small
+servers of their own cover the wait queue (429, then 503 at the wait's timeout, each with ``Retry-After``),
+``preload``, and KV pressure (a serving model's KV fills the budget: an idle model sleeps for it).
 """
 
 from __future__ import annotations
@@ -236,5 +236,29 @@ def test_preload_starts_every_model_and_leaves_the_ones_that_do_not_fit_asleep(t
         assert status["lo"]["sleep_level"] == 1 and _transitions(status, "lo", "start")
         assert _text(_ask(srv, "lo")) == _expected(tmp_path, "lo", "hello")  # hi makes room (equal priority)
         assert _transitions(srv.status(), "lo", "wake")[-1]["level"] == "1"  # a wake, not a cold start
+    finally:
+        srv.stop()
+
+
+def test_a_serving_model_whose_kv_fills_the_budget_gets_an_idle_neighbours_memory(tmp_path: Path) -> None:
+    """Two models awake in a 25 MiB budget (10 MiB weights each, never idle-sleeping): a request to ``a``
+    holding 12 MiB of KV (charged to its real pool record) fills the 5 MiB left; ``b``, idle, is put to sleep
+    for it and the request completes."""
+    (tmp_path / "k").mkdir()
+    srv = ServeProcess(
+        tmp_path / "k",
+        {"budget": "25M", "host_budget": "10M", "start_parallel": 2, "kv_headroom": "4M",
+         "pressure_idle_s": 0.5},
+        [_toy("a", tmp_path, 1, delay=0.2), _toy("b", tmp_path, 2, delay=0.2)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake"}, timeout_s=60)
+        time.sleep(1.0)  # b idles past pressure_idle_s
+        body = {"model": "a", "prompt": "grow", "max_tokens": 4, "kv_bytes": 12 * MiB}
+        reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert _text(reply) == _expected(tmp_path, "a", "grow", 4)
+        status = srv.status()
+        assert status["b"]["state"] == "asleep" and _transitions(status, "b", "sleep")
+        assert status["a"]["state"] == "awake" and not _transitions(status, "a", "sleep")
     finally:
         srv.stop()

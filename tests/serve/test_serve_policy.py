@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits
+from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits, pressure_victim
 
 MiB = 1 << 20
 
@@ -65,6 +65,32 @@ def test_idle_models_due_to_sleep() -> None:
         _c("busy", 0, 0.0, 1, idle_sleep_s=10.0, busy=True),
     ]
     assert [c.name for c in due_to_sleep(models, now=100.0)] == ["idle"]
+
+
+def test_kv_pressure_sleeps_the_first_idle_model_once_it_has_idled_long_enough() -> None:
+    models = [
+        _c("serving", 0, 99.0, 60, busy=True),
+        _c("idle-old", 0, 90.0, 20),
+        _c("idle-new", 0, 99.5, 20),
+        _c("pinned", 0, 10.0, 10, pinned=True),
+    ]
+
+    def victim(
+        used: int, *, budget: int | None = 112, min_idle: float = 1.0, group: list[Candidate] = models
+    ) -> str | None:
+        found = pressure_victim(
+            group, used_bytes=used * MiB, budget_bytes=None if budget is None else budget * MiB,
+            headroom_bytes=5 * MiB, now=100.0, min_idle_s=min_idle,
+        )  # fmt: skip
+        return None if found is None else found.name
+
+    assert victim(110) == "idle-old"  # 2 MiB left < 5 MiB of headroom
+    assert victim(107) is None  # 5 MiB left: enough
+    assert victim(110, min_idle=20.0) is None  # nobody idle that long
+    assert victim(110, budget=None) is None  # no budget, no pressure
+    assert victim(110, group=models[1:]) is None  # nothing serving: nothing grows
+    with_prio = [*models, _c("low", -1, 95.0, 10)]
+    assert victim(110, group=with_prio) == "low"  # lowest priority first, as for room
 
 
 def test_two_models_waking_at_once_do_not_wait_for_each_others_claim(tmp_path: Path) -> None:

@@ -9,7 +9,10 @@ that restored them wrongly answers differently.
 
     python toy_engine.py --port P --model DIR [--start-delay S] [--token-ms MS]
 
-Routes: ``GET /health``, ``POST /v1/completions`` (``prompt``, ``max_tokens``; takes ``token-ms`` per token),
+Routes: ``GET /health``, ``POST /v1/completions`` (``prompt``, ``max_tokens``; takes ``token-ms`` per token;
+``kv_bytes``: KV the request holds while it runs, charged 1 MiB at a time to the engine's real pool record in
+the registry named by ``ELASTIC_KV_REGISTRY_DIR``, waiting for the budget while a charge is refused, as an
+elastic engine's pool grows page by page),
 ``POST /sleep?level=1`` (the weights into an extent of the host arena named by ``ELASTIC_KV_HOST_ARENA``,
 owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropped), ``POST
 /wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``).
@@ -27,10 +30,12 @@ from typing import Any
 
 import uvicorn
 from elastic_kv.host import Extent, HostArena
+from elastic_kv.registry import PoolRecord
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 WEIGHTS = "weights.bin"
+KV_STEP = 1 << 20
 
 
 def make_checkpoint(path: Path, nbytes: int, seed: int) -> Path:
@@ -58,6 +63,23 @@ class Engine:
         self.owner = os.environ.get("ELASTIC_KV_POOL_NAME", "toy")
         self.extent: Extent | None = None
         self.level = 0
+        registry = os.environ.get("ELASTIC_KV_REGISTRY_DIR")
+        self.record: PoolRecord | None = None
+        if registry:
+            self.record = PoolRecord.create(
+                self.owner, device="toy0", engine="toy", model=str(model), limit_bytes=0,
+                registry_dir=Path(registry),
+            )  # fmt: skip
+
+    async def hold_kv(self, nbytes: int) -> int:
+        """Charge ``nbytes`` of KV step by step, waiting while the budget refuses; the bytes charged."""
+        held = 0
+        while self.record is not None and held < nbytes:
+            if self.record.try_charge(KV_STEP):
+                held += KV_STEP
+            else:
+                await asyncio.sleep(0.05)
+        return held
 
     def sleep(self, level: int) -> None:
         assert self.weights is not None, "asleep already"
@@ -98,7 +120,13 @@ def build_app(engine: Engine) -> FastAPI:
         if engine.weights is None:
             return JSONResponse({"error": {"message": "asleep", "code": 503}}, status_code=503)
         n = int(body.get("max_tokens", 8))
-        await asyncio.sleep(n * engine.token_s)
+        held = await engine.hold_kv(int(body.get("kv_bytes", 0)))
+        try:
+            await asyncio.sleep(n * engine.token_s)
+        finally:
+            if held and engine.record is not None:
+                engine.record.uncharge(held)
+        assert engine.weights is not None
         text = answer(str(body.get("prompt", "")), engine.weights, n)
         return {"object": "text_completion", "model": body.get("model"),
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}  # fmt: skip

@@ -4,6 +4,10 @@ The device budget covers every awake model's footprint (weights + KV). A model t
 weights plus the KV it holds while idle; when that does not fit next to the awake models, idle models are
 put to sleep first in the order *lowest priority, then least recently used*. A model is never put to
 sleep for a model of lower priority, nor while it is pinned or serving requests (in flight or queued).
+
+KV pressure: awake models that serve grow their KV into the budget; when what is left of it falls below the
+server's ``kv_headroom`` while some model serves, the idle model that would go first (same order) sleeps, once
+it has been idle ``pressure_idle_s`` -- busy models get its memory without waiting for its ``idle_sleep_s``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits"]
+__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits", "pressure_victim"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +74,22 @@ def due_to_sleep(candidates: Sequence[Candidate], now: float) -> list[Candidate]
         for c in candidates
         if c.idle_sleep_s > 0 and not c.pinned and not c.busy and now - c.last_used >= c.idle_sleep_s
     ]
+
+
+def pressure_victim(
+    candidates: Sequence[Candidate],
+    *,
+    used_bytes: int,
+    budget_bytes: int | None,
+    headroom_bytes: int,
+    now: float,
+    min_idle_s: float,
+) -> Candidate | None:
+    """The idle model to put to sleep for KV pressure (see the module docstring), or ``None``: no budget, no
+    model serving, the budget's room at least ``headroom_bytes``, or no model idle long enough."""
+    if budget_bytes is None or headroom_bytes <= 0 or not any(c.busy for c in candidates):
+        return None
+    if budget_bytes - used_bytes >= headroom_bytes:
+        return None
+    eligible = [c for c in candidates if not c.pinned and not c.busy and now - c.last_used >= min_idle_s]
+    return min(eligible, key=lambda c: (c.priority, c.last_used), default=None)

@@ -84,6 +84,7 @@ class ModelRuntime:
     last_used: float = field(default_factory=time.monotonic)
     last_used_wall: float | None = None
     kv_bytes: int = 0
+    kv_grew_at: float = -math.inf  # monotonic time its KV was last seen larger than the reading before
     idle_kv_bytes: int = 0  # KV it held when last seen idle: what waking it needs besides its weights
     # Its weights count against the budget: set once room was made for them (before they load), cleared
     # when it sleeps or fails. A model that waits for room is not counted, or two models waking at once

@@ -75,6 +75,10 @@ class Supervisor:
         self.log_dir = Path(srv.log_dir or tempfile.mkdtemp(prefix="elastic-kv-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = memory.resolve_budget(srv.budget, srv.device_memory)
+        headroom = srv.kv_headroom
+        self.kv_headroom_bytes = (
+            headroom if isinstance(headroom, int) else headroom.of(self.budget_bytes or 0)
+        )
         self.host = host.HostMemory(
             host.resolve_host_budget(srv.host_budget, srv.host_memory),
             srv.host_arena_dir or self.registry.directory,
@@ -455,6 +459,7 @@ class Supervisor:
                     rt = self.models[due.name]
                     if not rt.lock.locked():
                         self._spawn(self._idle_sleep(rt), f"sleep-{rt.name}")
+                self._relieve_pressure(awake, now)
                 self._sync_budget()
             except Exception:
                 logger.exception("monitor step failed")
@@ -474,9 +479,25 @@ class Supervisor:
         await self._reclaim()
         await self._refresh_host()
 
-    async def _idle_sleep(self, rt: ModelRuntime) -> None:
+    async def _idle_sleep(self, rt: ModelRuntime, reason: str | None = None) -> None:
         async with rt.lock:
-            await self._sleep(rt, reason=f"idle {rt.idle_sleep_s:g} s")
+            await self._sleep(rt, reason=reason or f"idle {rt.idle_sleep_s:g} s")
+
+    def _relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
+        """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep
+        (one at a time: none is sleeping or waking now), so that it grows into its memory (:mod:`.policy`)."""
+        if any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in self.models.values()):
+            return
+        window = max(self.config.server.pressure_idle_s, 4 * self.poll_s)
+        if not any(r.busy and now - r.kv_grew_at <= window for r in self.models.values()):
+            return  # no model serving is growing its KV: it needs no room
+        victim = policy.pressure_victim(
+            awake, used_bytes=self.used_bytes(), budget_bytes=self.budget_bytes,
+            headroom_bytes=self.kv_headroom_bytes, now=now, min_idle_s=self.config.server.pressure_idle_s,
+        )  # fmt: skip
+        if victim is not None and not self.models[victim.name].lock.locked():
+            rt = self.models[victim.name]
+            self._spawn(self._idle_sleep(rt, "KV room for the models serving"), f"sleep-{rt.name}")
 
     async def _check_health(self, rt: ModelRuntime) -> None:
         engine = rt.engine
@@ -496,7 +517,10 @@ class Supervisor:
         charged = memory.kv_by_pool(pools)
         for rt in self.models.values():
             names = memory.pool_names(rt.config.pool_name)
-            rt.kv_bytes = sum(charged[n][0] for n in names if n in charged)
+            kv = sum(charged[n][0] for n in names if n in charged)
+            if kv > rt.kv_bytes:
+                rt.kv_grew_at = time.monotonic()
+            rt.kv_bytes = kv
             self.devices.update(charged[n][1] for n in names if n in charged)
             if rt.state is State.AWAKE and not rt.busy:
                 rt.idle_kv_bytes = rt.kv_bytes
