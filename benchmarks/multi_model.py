@@ -63,7 +63,13 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.multimodel.client import replay  # noqa: E402
 from benchmarks.multimodel.engines import ModelShape, dummy_llama, tiny_llama  # noqa: E402
-from benchmarks.multimodel.report import Slo, plot_memory, render_markdown, summarize  # noqa: E402
+from benchmarks.multimodel.report import (  # noqa: E402
+    Slo,
+    plot_memory,
+    prism_slo,
+    render_markdown,
+    summarize,
+)
 from benchmarks.multimodel.setups import (  # noqa: E402
     ElasticSetup,
     Plan,
@@ -95,6 +101,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "start_timeout": 600.0,
         "sample_period": 0.25,
         "settle": 3.0,
+        "host_budget": None,
+        "preload": False,
     },
     "cuda": {
         "models": 3,
@@ -109,10 +117,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "kv_total": None,
         "max_model_len": 4608,
         "idle_sleep": 10.0,
-        "start_parallel": 1,
+        "start_parallel": 4,
         "start_timeout": 900.0,
         "sample_period": 0.5,
         "settle": 5.0,
+        "host_budget": "40%",
+        "preload": True,
     },
 }
 
@@ -150,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-spread", type=float, help="a burst's arrivals spread over this many seconds")
     p.add_argument("--cv", type=float, default=3.0, help="CV of the gamma gaps between bursts (>= 2)")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of model popularity")
+    p.add_argument("--cover", action="store_true", help="every model gets at least one burst")
     p.add_argument("--prompt", type=_range, help="prompt tokens LO:HI, uniform (cpu 64:192, cuda 500:1500)")
     p.add_argument("--output", type=_range, help="output tokens LO:HI, uniform (cpu 128:384, cuda 1000:3000)")
     p.add_argument("--seed", type=int, default=0)
@@ -163,7 +174,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine argument (repeatable)")
     p.add_argument("--cuda-graphs", action="store_true", help="cuda: keep CUDA graphs (default eager)")
-    p.add_argument("--start-parallel", type=int, help="engines started at once (cpu 2, cuda 1)")
+    p.add_argument(
+        "--start-parallel", type=int, help="engines started at once (cpu 2, cuda 4; static on cuda: 1)"
+    )
+    p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 40%%)")
+    p.add_argument(
+        "--host-arena-dir", type=Path, help="sleep set-up: the arena's directory (/dev/shm if room)"
+    )
+    p.add_argument(
+        "--preload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sleep set-up: start every model at start-up (cuda yes, cpu no)",
+    )
+    p.add_argument("--prism-k", type=float, default=5.0, help="Prism SLO: k x p99 served alone (0: off)")
     p.add_argument("--start-timeout", type=float, help="seconds an engine may take to start")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
     p.add_argument("--sample-period", type=float, help="seconds between KV memory samples")
@@ -232,6 +256,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         *args.engine_arg,
     ]
     overhead = args.engine_overhead or ("0" if args.device == "cpu" else "3G")
+    arena_dir = args.host_arena_dir
+    if arena_dir is None and args.device == "cuda" and args.host_budget is not None:
+        arena_dir = _arena_dir(args.host_budget)
     kv_total = args.kv_total
     if kv_total is None and args.device == "cuda" and (args.out / "static.json").exists():
         kv_total = json.loads((args.out / "static.json").read_text())["kv_total_bytes"] or None
@@ -252,7 +279,31 @@ def build_plan(args: argparse.Namespace) -> Plan:
         start_parallel=args.start_parallel,
         start_timeout_s=args.start_timeout,
         logs=logs,
+        host_budget=args.host_budget,
+        host_arena_dir=arena_dir,
+        preload=args.preload,
     )
+
+
+def _arena_dir(host_budget: str) -> Path | None:
+    """``/dev/shm`` where that memory file system holds the host budget (a container's is often small);
+    else ``None`` (the server puts the arena beside its registry)."""
+    import os
+
+    import psutil
+    from elastic_kv.sizes import Percent, parse_amount
+
+    amount = parse_amount(host_budget)
+    need = amount.of(int(psutil.virtual_memory().total)) if isinstance(amount, Percent) else amount
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        st = os.statvfs(shm)
+        if st.f_bavail * st.f_frsize >= need:
+            return shm
+    logger.warning(
+        "/dev/shm has no room for a host budget of %s: the arena goes beside the registry", host_budget
+    )
+    return None
 
 
 def _spec(args: argparse.Namespace) -> TraceSpec:
@@ -266,6 +317,7 @@ def _spec(args: argparse.Namespace) -> TraceSpec:
         cv=args.cv,
         zipf_s=args.zipf,
         seed=args.seed,
+        cover=args.cover,
     )
 
 
@@ -282,6 +334,46 @@ def _warm_up(endpoints: dict[str, str], names: list[str], timeout_s: float) -> N
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s, trust_env=False)
         if reply.status_code != 200:
             raise RuntimeError(f"warm-up of {name} failed: HTTP {reply.status_code}: {reply.text[:200]}")
+
+
+ALONE_OUTPUT_TOKENS = 128  # the calibration burst's outputs: enough steps for a stable TPOT, a short run
+
+
+def measure_alone(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec) -> None:
+    """Prism's reference: one burst of the trace's size and prompt lengths (outputs of at most
+    ``ALONE_OUTPUT_TOKENS``) to one awake model while every other model idles; its TTFT and TPOT
+    percentiles go to ``--out/alone.json``. Measured once per ``--out`` (every model has the same shape)."""
+    path = args.out / "alone.json"
+    if args.prism_k <= 0 or (path.exists() and json.loads(path.read_text()).get("trace") == spec.describe()):
+        return
+    awake = setup.awake_models() if hasattr(setup, "awake_models") else list(setup.endpoints)
+    if not awake:
+        logger.warning("%s: no awake model to measure alone", setup.name)
+        return
+    cap = min(spec.output[1], ALONE_OUTPUT_TOKENS)
+    solo = TraceSpec(
+        models=1, bursts=1, burst_size=spec.burst_size, burst_spread_s=spec.burst_spread_s,
+        prompt=spec.prompt, output=(min(spec.output[0], cap), cap), seed=spec.seed + 1,
+    )  # fmt: skip
+    rows = [
+        o.as_dict()
+        for o in replay(
+            build_trace(solo, 1.0), setup.endpoints, [awake[0]], plan.shape.vocab_size, args.request_timeout
+        )
+    ]
+    metrics = summarize(rows, Slo(float("inf"), float("inf")), 1.0)
+    record = {
+        "trace": spec.describe(),
+        "model": awake[0],
+        "setup": setup.name,
+        "burst": solo.describe(),
+        **{
+            k: metrics[k]
+            for k in ("requests", "failed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+        },
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    logger.info("%s: %s alone: %s", setup.name, awake[0], json.dumps(record))
 
 
 def _replay_load(
@@ -344,6 +436,8 @@ def run_setup(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec,
         # The sleep set-up warms only the models awake after its start-up: waking the others is its cost.
         warm = setup.awake_models() if hasattr(setup, "awake_models") else plan.names
         _warm_up(setup.endpoints, warm, args.request_timeout)
+        measure_alone(setup, plan, args, spec)
+        prism = prism_slo(_alone(args.out), args.prism_k)
         for load in args.loads:
             span = build_trace(spec, load).span_s
             if args.time_limit and time.monotonic() - t0 + span > args.time_limit:
@@ -352,7 +446,7 @@ def run_setup(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec,
                 )
                 continue
             run = _replay_load(setup, plan, args, spec, load)
-            run["metrics"] = summarize(run["outcomes"], slo, run["span_s"])
+            run["metrics"] = summarize(run["outcomes"], slo, run["span_s"], prism)
             record["loads"][f"{load:g}"] = run
             path.write_text(json.dumps(record) + "\n")
             headline = {k: run["metrics"][k] for k in _HEADLINE}
@@ -367,6 +461,7 @@ def run_setup(setup: Any, plan: Plan, args: argparse.Namespace, spec: TraceSpec,
 
 _HEADLINE = (
     "slo_attainment",
+    "prism_attainment",
     "goodput_rps",
     "ttft_p50_s",
     "ttft_p99_s",
@@ -376,8 +471,15 @@ _HEADLINE = (
 )
 
 
+def _alone(out: Path) -> dict[str, Any] | None:
+    path = out / "alone.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def build_report(args: argparse.Namespace, slo: Slo, spec: TraceSpec) -> dict[str, Any]:
     """Combine every ``<setup>.json`` in ``--out`` (metrics recomputed with this run's SLO)."""
+    alone = _alone(args.out)
+    prism = prism_slo(alone, args.prism_k)
     setups: dict[str, Any] = {}
     for name in SETUPS:
         path = args.out / f"{name}.json"
@@ -385,7 +487,7 @@ def build_report(args: argparse.Namespace, slo: Slo, spec: TraceSpec) -> dict[st
             continue
         record = json.loads(path.read_text())
         for run in record.get("loads", {}).values():
-            run["metrics"] = summarize(run["outcomes"], slo, run["span_s"])
+            run["metrics"] = summarize(run["outcomes"], slo, run["span_s"], prism)
         setups[name] = record
     results: dict[str, Any] = {
         "device": args.device,
@@ -395,6 +497,13 @@ def build_report(args: argparse.Namespace, slo: Slo, spec: TraceSpec) -> dict[st
         "slo": slo.describe(),
         "setups": setups,
     }
+    if prism is not None and alone is not None:
+        results["prism_slo"] = (
+            f"{prism.describe()} ({args.prism_k:g} x the p99 of {alone['model']} serving one burst alone "
+            f"in the {alone['setup']} set-up: TTFT {alone['ttft_p99_s']:.3f} s, "
+            f"TPOT {alone['tpot_p99_s'] * 1000:.1f} ms)"
+        )
+        results["alone"] = alone
     results["plots"] = plot_memory(results, args.out)
     (args.out / "report.md").write_text(render_markdown(results))
     slim = json.loads(json.dumps(results))

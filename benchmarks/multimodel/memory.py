@@ -5,7 +5,8 @@ elastic-kv registry -- what ``kvctl list --json`` prints), read in this process 
 ``elastic_kv.registry.view.Registry`` every ``period`` seconds. A model whose engine is not running (asleep
 and stopped, or not started yet) has no record and counts 0. Static set-up: each engine's KV cache is
 allocated once at start-up, so its size is constant and is recorded once. The sleep set-up also records
-each model's state (awake, asleep, waking, ...) from ``elastic-kv serve``'s ``/status`` with every sample.
+each model's state (awake, asleep, waking, ...) and the host memory asleep models' weights take
+(``host_used_bytes``) from ``elastic-kv serve``'s ``/status`` with every sample.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RegistrySampler:
         registry_dir: Path,
         pools: Mapping[str, str],
         period_s: float,
-        states: Callable[[], dict[str, str]] | None = None,
+        states: Callable[[], tuple[dict[str, str], int]] | None = None,
     ) -> None:
         from elastic_kv.registry import Registry
 
@@ -45,7 +46,7 @@ class RegistrySampler:
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         self.t0 = time.perf_counter()
-        self.samples: list[tuple[float, dict[str, int], dict[str, str] | None]] = []
+        self.samples: list[tuple[float, dict[str, int], tuple[dict[str, str], int] | None]] = []
         self.budget_bytes = 0
 
     def read(self) -> dict[str, int]:
@@ -86,16 +87,15 @@ class RegistrySampler:
 
     def stop(self) -> list[dict[str, Any]]:
         """Stop sampling; the samples as JSON-ready rows ``{"t": s, "kv": {model: bytes}}`` (plus
-        ``"state": {model: state}`` where a state reader was given)."""
+        ``"state": {model: state}`` and ``"host": bytes`` where a state reader was given)."""
         self._halt.set()
         if self._thread is not None:
             self._thread.join()
         self._sample()
         rows: list[dict[str, Any]] = []
-        for t, kv, states in self.samples:
-            rows.append(
-                {"t": round(t, 3), "kv": kv}
-                if states is None
-                else {"t": round(t, 3), "kv": kv, "state": states}
-            )
+        for t, kv, extra in self.samples:
+            row: dict[str, Any] = {"t": round(t, 3), "kv": kv}
+            if extra is not None:
+                row["state"], row["host"] = extra
+            rows.append(row)
         return rows

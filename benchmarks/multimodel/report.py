@@ -7,7 +7,12 @@ Definitions (stated in every report):
   (failed and unserved requests count against it);
 * goodput = attaining requests per second of the trace's span (bursts x burst size / load), and their
   output tokens per second;
-* TTFT and TPOT percentiles are over the requests that completed.
+* TTFT and TPOT percentiles are over the requests that completed;
+* Prism's SLO (where the run measured the model alone): TTFT and TPOT each at most ``k`` times their p99
+  when one model of the same shape serves one burst alone on the device (``k`` = 5 by default), per model
+  and overall;
+* swaps (sleep set-up): each wake of an asleep model, timed from the request that found it asleep until it
+  serves -- putting other models to sleep to make room for it included -- from the server's ``/status``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from elastic_kv.sizes import format_bytes
 
-__all__ = ["Slo", "plot_memory", "render_markdown", "summarize"]
+__all__ = ["Slo", "plot_memory", "prism_slo", "render_markdown", "summarize", "swap_times"]
 
 SETUP_TITLES = {
     "static": "static (native, fixed shares)",
@@ -49,10 +54,23 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return ordered[rank]
 
 
-def summarize(outcomes: Sequence[Mapping[str, Any]], slo: Slo, span_s: float) -> dict[str, Any]:
+def _attains(o: Mapping[str, Any], slo: Slo) -> bool:
+    return bool(o["ok"]) and o["ttft_s"] <= slo.ttft_s and o["tpot_s"] <= slo.tpot_s
+
+
+def prism_slo(alone: Mapping[str, Any] | None, k: float) -> Slo | None:
+    """Prism's targets: ``k`` x the TTFT and TPOT p99 of the model served alone (``None`` if not measured)."""
+    if not alone or alone.get("ttft_p99_s") is None or alone.get("tpot_p99_s") is None:
+        return None
+    return Slo(k * alone["ttft_p99_s"], k * alone["tpot_p99_s"])
+
+
+def summarize(
+    outcomes: Sequence[Mapping[str, Any]], slo: Slo, span_s: float, prism: Slo | None = None
+) -> dict[str, Any]:
     """The metrics of one replay from its per-request outcomes (``client.Outcome.as_dict`` rows)."""
     done = [o for o in outcomes if o["ok"]]
-    good = [o for o in done if o["ttft_s"] <= slo.ttft_s and o["tpot_s"] <= slo.tpot_s]
+    good = [o for o in done if _attains(o, slo)]
     ttft = [o["ttft_s"] for o in done]
     tpot = [o["tpot_s"] for o in done]
     errors = Counter(str(o["error"]).split(":")[0] for o in outcomes if not o["ok"])
@@ -63,6 +81,18 @@ def summarize(outcomes: Sequence[Mapping[str, Any]], slo: Slo, span_s: float) ->
     def r(x: float | None, digits: int = 4) -> float | None:
         return None if x is None else round(x, digits)
 
+    per_model: dict[str, dict[str, Any]] = {}
+    for model in sorted({o["model"] for o in outcomes}):
+        mine = [o for o in outcomes if o["model"] == model]
+        row: dict[str, Any] = {
+            "requests": len(mine),
+            "failed": sum(not o["ok"] for o in mine),
+            "slo_attainment": r(sum(_attains(o, slo) for o in mine) / len(mine)),
+        }
+        if prism is not None:
+            row["prism_attainment"] = r(sum(_attains(o, prism) for o in mine) / len(mine))
+        per_model[model] = row
+    prism_good = None if prism is None else sum(_attains(o, prism) for o in outcomes)
     return {
         "requests": n,
         "completed": len(done),
@@ -79,7 +109,23 @@ def summarize(outcomes: Sequence[Mapping[str, Any]], slo: Slo, span_s: float) ->
         "ttft_p99_s": r(_pct(ttft, 99)),
         "tpot_p50_s": r(_pct(tpot, 50), 5),
         "tpot_p99_s": r(_pct(tpot, 99), 5),
+        "prism_attainment": None if prism_good is None else r(prism_good / n if n else 0.0),
+        "per_model": per_model,
     }
+
+
+def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]:
+    """Seconds of every transition the sleep set-up's server recorded, by kind: ``wake`` (from level 1 or
+    2: the swaps), ``cold`` (a wake or start that started a process), ``sleep`` (through the engine) and
+    ``stop`` (a sleep that stopped the process)."""
+    out: dict[str, list[float]] = {"wake": [], "cold": [], "sleep": [], "stop": []}
+    for model in (final_status or {}).get("models", []):
+        for t in model.get("transitions", []):
+            if t["kind"] == "sleep":
+                out["stop" if t["level"] == "stop" else "sleep"].append(t["seconds"])
+            else:
+                out["cold" if t["level"] == "cold" else "wake"].append(t["seconds"])
+    return out
 
 
 def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
@@ -90,6 +136,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     """The report: trace and SLO, each set-up, one table per load and the attainment curve."""
     lines = [f"# Multi-model benchmark ({results['device']})", ""]
     lines += [f"* trace: {results['trace']}", f"* SLO: {results['slo']}"]
+    if results.get("prism_slo"):
+        lines.append(f"* Prism's SLO: {results['prism_slo']}")
     lines += [f"* {k}: {v}" for k, v in results.get("notes", {}).items()]
     setups: dict[str, Any] = results["setups"]
     for name, setup in setups.items():
@@ -101,23 +149,25 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     for load in loads:
         lines += [f"### load {load:g} requests/s", ""]
         lines.append(
-            "| set-up | SLO attainment | goodput req/s | goodput tok/s | TTFT p50 / p99 s | "
+            "| set-up | SLO attainment | Prism SLO | goodput req/s | goodput tok/s | TTFT p50 / p99 s | "
             "TPOT p50 / p99 ms | failed | models served | peak KV |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for name, setup in setups.items():
             run = setup.get("loads", {}).get(f"{load:g}")
             if run is None:
                 continue
             m = run["metrics"]
             lines.append(
-                f"| {name} | {_fmt(m['slo_attainment'], 100, 1)} % | {_fmt(m['goodput_rps'], 1, 3)} | "
+                f"| {name} | {_fmt(m['slo_attainment'], 100, 1)} % | "
+                f"{_fmt(m.get('prism_attainment'), 100, 1)} % | {_fmt(m['goodput_rps'], 1, 3)} | "
                 f"{_fmt(m['goodput_tok_s'], 1, 0)} | {_fmt(m['ttft_p50_s'])} / {_fmt(m['ttft_p99_s'])} | "
                 f"{_fmt(m['tpot_p50_s'], 1000, 1)} / {_fmt(m['tpot_p99_s'], 1000, 1)} | "
                 f"{m['failed']} of {m['requests']} | {m['models_served']} of {results['models']} | "
                 f"{format_bytes(int(run.get('peak_kv_bytes', 0)))} |"
             )
         lines.append("")
+        lines += _per_model_table(setups, f"{load:g}")
     names = list(setups)
     lines += ["## SLO attainment by load", "", "| load req/s | " + " | ".join(names) + " |"]
     lines.append("|---" * (len(names) + 1) + "|")
@@ -127,10 +177,46 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             run = setups[name].get("loads", {}).get(f"{load:g}")
             cells.append("-" if run is None else f"{run['metrics']['slo_attainment'] * 100:.1f} %")
         lines.append(f"| {load:g} | " + " | ".join(cells) + " |")
+    swaps = swap_times(setups.get("sleep", {}).get("final_status"))
+    if any(swaps.values()):
+        lines += ["", "## Sleep set-up: transitions over the whole run", ""]
+        lines += ["| transition | count | p50 s | p99 s | max s |", "|---|---|---|---|---|"]
+        titles = {"wake": "swap (wake from level 1/2, room made included)", "cold": "cold start",
+                  "sleep": "sleep (level 1/2)", "stop": "sleep by stopping"}  # fmt: skip
+        for kind, values in swaps.items():
+            if values:
+                lines.append(
+                    f"| {titles[kind]} | {len(values)} | {_fmt(_pct(values, 50))} | "
+                    f"{_fmt(_pct(values, 99))} | {_fmt(max(values))} |"
+                )
     plots = results.get("plots", [])
     if plots:
         lines += ["", "KV memory per model over time: " + ", ".join(f"`{p}`" for p in plots)]
     return "\n".join(lines) + "\n"
+
+
+def _per_model_table(setups: Mapping[str, Any], key: str) -> list[str]:
+    """Per model: requests, failed, SLO and Prism attainment of every set-up at one load."""
+    runs = {n: s["loads"][key]["metrics"] for n, s in setups.items() if key in s.get("loads", {})}
+    models = sorted({m for r in runs.values() for m in r.get("per_model", {})}, key=lambda m: (len(m), m))
+    if not models:
+        return []
+    head = " | ".join(f"{n}: SLO / Prism" for n in runs)
+    lines = [f"| model | requests | {head} |", "|---" * (len(runs) + 2) + "|"]
+    for model in models:
+        cells, count = [], 0
+        for metrics in runs.values():
+            row = metrics.get("per_model", {}).get(model)
+            if row is None:
+                cells.append("-")
+                continue
+            count = row["requests"]
+            cells.append(
+                f"{_fmt(row['slo_attainment'], 100, 0)} / {_fmt(row.get('prism_attainment'), 100, 0)} %"
+                + (f" ({row['failed']} failed)" if row["failed"] else "")
+            )
+        lines.append(f"| {model} | {count} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _mark_transitions(ax: Any, samples: Sequence[Mapping[str, Any]], colors: Mapping[str, Any]) -> None:
@@ -170,6 +256,8 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
         default=0,
     )
     peak = max([peak, *(r.get("budget_bytes", 0) for s in setups.values() for r in s["loads"].values())])
+    hosts = [x.get("host") or 0 for s in setups.values() for r in s["loads"].values() for x in r["memory"]]
+    peak = max([peak, *hosts])
     unit, scale = ("GiB", 2**-30) if peak >= 2**30 else ("MiB", 2**-20)
     files = []
     for load in loads:
@@ -186,6 +274,10 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
                 )
             if run.get("budget_bytes"):
                 ax.axhline(run["budget_bytes"] * scale, color="black", ls="--", lw=0.8, label="budget")
+            host = [s.get("host") for s in samples]
+            if any(h is not None for h in host):
+                ax.step(t, [(h or 0) * scale for h in host], where="post", color="dimgray", lw=1.2,
+                        label="host: asleep weights")  # fmt: skip
             _mark_transitions(ax, samples, colors)
             for start, model in zip(run["burst_starts_s"], run["burst_models"], strict=True):
                 ax.plot(
@@ -194,7 +286,7 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
             m = run["metrics"]
             title = SETUP_TITLES.get(setup, setup)
             ax.set_title(f"{title}: SLO attainment {m['slo_attainment'] * 100:.1f} %", fontsize=10)
-            ax.set_ylabel(f"KV {unit} (stacked)")
+            ax.set_ylabel(f"KV {unit} (stacked)" if all(h is None for h in host) else unit)
             ax.set_ylim(0, peak * scale * 1.08 if peak else 1)
             ax.grid(alpha=0.3)
         axes[0, 0].legend(loc="upper right", fontsize=7, ncol=min(4, len(names) + 1))
@@ -204,4 +296,20 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
         files.append(name)
+    swaps = swap_times(results["setups"].get("sleep", {}).get("final_status"))
+    if any(swaps.values()):
+        fig, ax = plt.subplots(figsize=(8, 3.2))
+        edges = [0.0, *(2.0**e for e in range(-4, 8))]
+        for kind, color in (("wake", "tab:green"), ("sleep", "tab:blue"), ("cold", "tab:red")):
+            if swaps[kind]:
+                ax.hist(swaps[kind], bins=edges, alpha=0.6, color=color, label=f"{kind} ({len(swaps[kind])})")
+        ax.set_xscale("symlog", linthresh=0.0625)
+        ax.set_xlabel("seconds (wake: a swap, room made for it included)")
+        ax.set_ylabel("transitions")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "swap_times.png", dpi=110)
+        plt.close(fig)
+        files.append("swap_times.png")
     return files

@@ -9,7 +9,14 @@
   total as virtual capacity; one device budget (``Registry.set_budget``, what ``kvctl budget`` sets) of
   that total caps what they back together, so a busy model grows into its idle neighbours' memory.
 * ``sleep``: ``elastic-kv serve --config`` over the same models with a budget that holds fewer models awake
-  than there are (weights + KV): idle models sleep, a request for a sleeping one wakes it.
+  than there are (weights + KV): idle models sleep, a request for a sleeping one wakes it, putting the least
+  recently used idle models to sleep to make room (every model has the same priority). On CUDA the models
+  sleep through vLLM's API at level 1 (weights into the server's host arena of ``host_budget``) or level 2
+  (dropped and reloaded) when the arena is full; engines start ``start_parallel`` at a time, all of them
+  at start-up with ``preload``.
+
+Engines start ``start_parallel`` at a time, except static ones on CUDA: vLLM sizes their KV cache from
+the device's free memory, so they start one after another.
 
 KV per model over time: the pools' backed bytes in the set-up's own registry directory (elastic set-ups),
 the engines' fixed KV cache size (static).
@@ -65,6 +72,9 @@ class Plan:
     start_parallel: int
     start_timeout_s: float
     logs: Path
+    host_budget: str | None = None  # sleep set-up: [server] host_budget (None: the server's default)
+    host_arena_dir: Path | None = None  # sleep set-up: where the arena lives (None: the registry's dir)
+    preload: bool = False  # sleep set-up: start every model at start-up
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -112,7 +122,8 @@ class _Engines:
             port = free_port()
             argv = vllm_server_argv(self.plan.model_dir, name, port, [*self.plan.engine_args, *args])
             items.append((name, argv, env, port, self.plan.logs / f"{self.name}-{name}.log"))
-        self.servers, self.failed = start_all(items, self.plan.start_parallel, self.plan.start_timeout_s)
+        parallel = 1 if self.name == "static" and self.plan.device == "cuda" else self.plan.start_parallel
+        self.servers, self.failed = start_all(items, parallel, self.plan.start_timeout_s)
         for name, reason in self.failed.items():
             logger.warning("%s: %s has no engine: %s", self.name, name, reason.splitlines()[0])
 
@@ -278,7 +289,7 @@ class SleepSetup:
                 f"{util:.4f}",
             ]
             env = {}
-        server = {
+        server: dict[str, Any] = {
             "host": "127.0.0.1",
             "port": port,
             "registry_dir": str(self.registry),
@@ -286,18 +297,23 @@ class SleepSetup:
             "idle_sleep_s": plan.idle_sleep_s,
             "start_timeout_s": plan.start_timeout_s,
             "wake_timeout_s": plan.start_timeout_s,
+            "start_parallel": plan.start_parallel,
+            "preload": plan.preload,
+            "max_queued": 4096,
             "log_dir": str(plan.logs / "sleep-engines"),
         }
+        if plan.host_budget is not None:
+            server["host_budget"] = plan.host_budget
+        if plan.host_arena_dir is not None:
+            server["host_arena_dir"] = str(plan.host_arena_dir)
         lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
-        n = len(plan.names)
-        for i, name in enumerate(plan.names):
+        for name in plan.names:
             model: dict[str, Any] = {
                 "name": name,
                 "engine": "vllm",
                 "model": str(plan.model_dir),
                 "args": [*plan.engine_args, *args],
                 "idle_sleep_s": plan.idle_sleep_s,
-                "priority": n - i,  # the more popular (Zipf rank), the longer it keeps its memory
                 "weights_bytes": weights,
             }
             if env:
@@ -316,7 +332,9 @@ class SleepSetup:
         self.describe = (
             f"elastic-kv serve --config {self.config_path.name}: {len(plan.names)} models, budget "
             f"{format_bytes(budget)} for weights ({format_bytes(self.weights_bytes)} a model) + KV, "
-            f"at most {awake} awake, idle_sleep_s {plan.idle_sleep_s:g}"
+            f"at most {awake} awake, idle_sleep_s {plan.idle_sleep_s:g}, start_parallel {plan.start_parallel}"
+            + (", preload" if plan.preload else "")
+            + (f", host_budget {plan.host_budget}" if plan.host_budget is not None else "")
         )
         argv = [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config_path)]
         self.server = ServerProcess(
@@ -362,8 +380,9 @@ class SleepSetup:
         return dict.fromkeys(self.plan.names, self.server.url)
 
     def sampler(self, period_s: float) -> RegistrySampler:
-        def states() -> dict[str, str]:
-            return {m["name"]: m["state"] for m in self.status()["models"]}
+        def states() -> tuple[dict[str, str], int]:
+            doc = self.status()
+            return {m["name"]: m["state"] for m in doc["models"]}, int(doc.get("host_used_bytes") or 0)
 
         return RegistrySampler(self.registry, self.pools, period_s, states)
 

@@ -7,7 +7,10 @@ gaps between burst starts are gamma-distributed with coefficient of variation ``
 with ``cv >= 2`` most gaps are short and a few are very long, so one model's burst often runs while its
 neighbours idle, and sometimes bursts to several models pile up. Each request's prompt and output lengths
 are drawn uniformly from the inclusive ranges ``prompt`` and ``output``; outputs are forced to their
-length (``ignore_eos``), so every request does exactly the work the trace states.
+length (``ignore_eos``), so every request does exactly the work the trace states. With ``cover`` (and at
+least as many bursts as models) every model gets a burst: for each model the draw missed, in model order, the
+last burst of the model drawn most often goes to it instead -- so a trace of many models reaches every one,
+and a set-up's "models served" counts models that were asked for.
 
 The load is the mean request rate. The gaps are rescaled so that their mean is exactly
 ``burst_size / load``: every load replays the same bursts (same models, same lengths, same order), only
@@ -40,6 +43,7 @@ class TraceSpec:
     cv: float = 3.0
     zipf_s: float = 1.0
     seed: int = 0
+    cover: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -51,6 +55,7 @@ class TraceSpec:
             "output": 1 <= self.output[0] <= self.output[1],
             "cv": self.cv > 0,
             "zipf_s": self.zipf_s >= 0,
+            "cover": not self.cover or self.bursts >= self.models,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -64,6 +69,7 @@ class TraceSpec:
             f"from Zipf(s={self.zipf_s:g}) over {self.models} models, prompt tokens uniform "
             f"[{self.prompt[0]}, {self.prompt[1]}], output tokens uniform [{self.output[0]}, "
             f"{self.output[1]}] (ignore_eos), seed {self.seed}"
+            + (", every model drawn at least once" if self.cover else "")
         )
 
 
@@ -117,6 +123,18 @@ def zipf_weights(models: int, s: float) -> np.ndarray:
     return w / w.sum()
 
 
+def _cover(models: np.ndarray, n: int) -> np.ndarray:
+    """``models`` with every index ``0..n-1`` present (see the module docstring); deterministic."""
+    out = models.copy()
+    for missing in range(n):
+        if missing in out:
+            continue
+        counts = np.bincount(out, minlength=n)
+        donor = int(np.argmax(counts))  # the most drawn (lowest index on a tie)
+        out[np.flatnonzero(out == donor)[-1]] = missing
+    return out
+
+
 def _unit_gaps(rng: np.random.Generator, n: int, cv: float) -> np.ndarray:
     """``n`` gamma gaps with coefficient of variation ``cv``, rescaled to mean exactly 1."""
     shape = 1.0 / cv**2
@@ -134,6 +152,8 @@ def build_trace(spec: TraceSpec, load: float) -> Trace:
     gaps = _unit_gaps(rng, spec.bursts, spec.cv) * (spec.burst_size / load)
     starts = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
     models = rng.choice(spec.models, size=spec.bursts, p=zipf_weights(spec.models, spec.zipf_s))
+    if spec.cover:
+        models = _cover(models, spec.models)
     n = spec.bursts * spec.burst_size
     offsets = rng.uniform(0.0, spec.burst_spread_s, size=n) if spec.burst_spread_s > 0 else np.zeros(n)
     prompts = rng.integers(spec.prompt[0], spec.prompt[1] + 1, size=n)

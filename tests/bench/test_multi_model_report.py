@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multimodel.report import Slo, render_markdown, summarize
+from benchmarks.multimodel.report import Slo, prism_slo, render_markdown, summarize, swap_times
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_model.py"
 
@@ -73,6 +73,34 @@ def test_markdown_states_slo_and_curve() -> None:
     assert "| static | 100.0 % |" in text and "1 of 2" in text
     assert "## SLO attainment by load" in text and "| 1 | 100.0 % | - |" in text
     assert "skipped: elastic-kv serve is not installed" in text
+
+
+def test_prism_slo_per_model_and_swap_times() -> None:
+    alone = {"ttft_p99_s": 0.2, "tpot_p99_s": 0.01}
+    prism = prism_slo(alone, 5.0)
+    assert prism == Slo(1.0, 0.05) and prism_slo(None, 5.0) is None
+    rows = [_row(0, "a", 0.9, 0.04), _row(1, "a", 1.1, 0.04), _row(2, "b", None, None, "HTTP 503: x")]
+    m = summarize(rows, Slo(10.0, 0.1), span_s=1.0, prism=prism)
+    assert (m["slo_attainment"], m["prism_attainment"]) == (0.6667, 0.3333)  # rounded to 4 places
+    assert m["per_model"]["a"] == {"requests": 2, "failed": 0, "slo_attainment": 1.0, "prism_attainment": 0.5}
+    assert m["per_model"]["b"]["failed"] == 1
+    status = {"models": [
+        {"transitions": [{"kind": "start", "level": "cold", "seconds": 40.0},
+                         {"kind": "sleep", "level": "1", "seconds": 0.4},
+                         {"kind": "wake", "level": "1", "seconds": 0.9}]},
+        {"transitions": [{"kind": "sleep", "level": "stop", "seconds": 2.0},
+                         {"kind": "wake", "level": "cold", "seconds": 50.0}]},
+    ]}  # fmt: skip
+    assert swap_times(status) == {"wake": [0.9], "cold": [40.0, 50.0], "sleep": [0.4], "stop": [2.0]}
+    results = {
+        "device": "cuda", "models": 2, "model_names": ["a", "b"], "trace": "t", "slo": "s",
+        "prism_slo": prism.describe(),
+        "setups": {"sleep": {"describe": "d", "final_status": status,
+                             "loads": {"1": {"metrics": m, "peak_kv_bytes": 0}}}},
+    }  # fmt: skip
+    text = render_markdown(results)
+    assert "| sleep | 66.7 % | 33.3 % |" in text and "| a | 2 | 100 / 50 % |" in text
+    assert "| swap (wake from level 1/2, room made included) | 1 | 0.90 | 0.90 | 0.90 |" in text
 
 
 @pytest.mark.parametrize(

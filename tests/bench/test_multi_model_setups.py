@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from elastic_kv.sizes import Percent
 
 from benchmarks.multimodel.engines import LLAMA_8B, ModelShape
 from benchmarks.multimodel.setups import Plan, SleepSetup, StaticSetup, serve_available
@@ -77,7 +78,12 @@ def test_static_shares_on_cpu_split_the_kv_total(tmp_path: Path) -> None:
 def test_sleep_config_is_a_valid_serve_config(tmp_path: Path, device: str) -> None:
     from elastic_kv_serve.config import parse_config
 
-    plan = _plan(device, 6, tmp_path)
+    extra: dict[str, object] = (
+        {"host_budget": "40%", "preload": True, "start_parallel": 4, "host_arena_dir": tmp_path}
+        if device == "cuda"
+        else {}
+    )
+    plan = _plan(device, 6, tmp_path, **extra)
     setup = SleepSetup(plan, tmp_path / "models.toml")
     try:
         text, budget = setup.config(port=8123)
@@ -87,7 +93,13 @@ def test_sleep_config_is_a_valid_serve_config(tmp_path: Path, device: str) -> No
     assert config.server.port == 8123 and config.server.budget == budget
     assert config.server.registry_dir == setup.registry and config.server.idle_sleep_s == 10.0
     assert [m.name for m in config.models] == plan.names
-    assert [m.priority for m in config.models] == [6, 5, 4, 3, 2, 1]  # Zipf rank: the popular keep memory
+    assert {m.priority for m in config.models} == {0}  # one priority: the least recently used sleeps first
+    if device == "cuda":
+        srv = config.server
+        assert (srv.preload, srv.start_parallel, srv.host_arena_dir) == (True, 4, tmp_path)
+        assert srv.host_budget == Percent(40.0)
+    else:  # the server's defaults
+        assert (config.server.preload, config.server.start_parallel) == (False, 1)
     weights = config.models[0].weights_bytes
     assert weights is not None
     if device == "cuda":

@@ -101,3 +101,16 @@ def test_bad_specs_are_refused_naming_the_field(field: str, value: object) -> No
 def test_bad_load_is_refused() -> None:
     with pytest.raises(ValueError, match="load must be > 0"):
         build_trace(SPEC, 0.0)
+
+
+def test_cover_gives_every_model_a_burst_and_keeps_the_rest_of_the_draw() -> None:
+    spec = dataclasses.replace(SPEC, models=12, bursts=16, seed=3)
+    plain = build_trace(spec, 2.0).burst_models
+    assert len(set(plain)) < 12  # Zipf over 12 models in 16 bursts misses some
+    covered = build_trace(dataclasses.replace(spec, cover=True), 2.0)
+    assert sorted(set(covered.burst_models)) == list(range(12))
+    changed = [i for i, (a, b) in enumerate(zip(plain, covered.burst_models, strict=True)) if a != b]
+    assert len(changed) == 12 - len(set(plain))  # one burst moved per model the draw missed
+    assert covered.burst_starts == build_trace(spec, 2.0).burst_starts  # same times, same lengths
+    with pytest.raises(ValueError, match="cover"):
+        dataclasses.replace(SPEC, models=5, bursts=4, cover=True)
