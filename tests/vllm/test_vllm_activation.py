@@ -262,3 +262,18 @@ def test_scoped_attribute_restores_and_checks() -> None:
         compat.scoped_attribute(compat.Target(coordinator.__name__, "Nope", kind="name"), 1),
     ):
         pass
+
+
+# --- vLLM's extensible KV cache (0.34+) ---------------------------------------------------------------
+def test_the_elastic_backend_turns_vllms_extensible_kv_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 0.34 (CUDA) vLLM turns it on by default; the elastic backend backs the KV range instead."""
+    cfg = _config(monkeypatch)
+    object.__setattr__(cfg.cache_config, "enable_extensible_kv_cache", True)  # as 0.34 resolves it on CUDA
+    activation.activate(cfg, PluginConfig.resolve({"kv_cache_backend": "elastic"}, {}))
+    assert cfg.cache_config.enable_extensible_kv_cache is False
+
+
+def test_an_explicit_extensible_kv_cache_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _config(monkeypatch)
+    with pytest.raises(ConfigError, match=r"extensible KV cache \(--enable-extensible-kv-cache"):
+        activation.activate(cfg, PluginConfig.resolve({"kv_cache_backend": "elastic"}, {}), True)

@@ -484,3 +484,21 @@ def test_scheduler_calls_a_rank_in_its_own_process_directly() -> None:
         worker_pool.serve_locally("engine-a", None)
     assert worker_pool.local_rank("engine-a", 0) is None
     assert isinstance(_transport("engine-a", 1), SocketTransport)
+
+
+def test_a_block_names_its_pool_directly_or_by_weak_reference() -> None:
+    """0.29-0.33 keep the pool in ``KVCacheBlock.pool``; 0.34 keeps a weak reference to it."""
+    import types
+    import weakref
+
+    from vllm_elastic_kv.block_pool import owned_by
+
+    class Pool:
+        pass
+
+    ours, other = Pool(), Pool()
+    for field in (None, ours, weakref.ref(ours)):
+        assert owned_by(types.SimpleNamespace(pool=field), ours)  # type: ignore[arg-type]
+    for field in (other, weakref.ref(other)):
+        assert not owned_by(types.SimpleNamespace(pool=field), ours)  # type: ignore[arg-type]
+    assert owned_by(types.SimpleNamespace(), ours)  # type: ignore[arg-type]  # 0.26: no such field

@@ -104,3 +104,26 @@ def test_register_makes_the_name_resolve_to_the_plugins_backend(
     register()  # idempotent
     cls = SleepModeBackendFactory.get_backend_class(SLEEP_BACKEND)
     assert (cls.__module__, cls.__name__) == ("vllm_elastic_kv.sleep", "ElasticSleepBackend")
+
+
+@pytest.mark.parametrize(
+    ("suspend_by", "args", "kwargs", "level_one"),
+    [
+        ("level", (1,), {}, True),
+        ("level", (2,), {}, False),
+        ("level", (), {"level": 2}, False),
+        ("level", (), {}, True),
+        ("discardable", ((),), {}, True),  # 0.34: suspend(discardable), nothing to drop at level 1
+        ("discardable", ({0x7F00},), {}, False),
+        ("discardable", (), {"discardable": {1}}, False),
+        ("discardable", (), {}, True),
+    ],
+)
+def test_a_level_one_sleep_is_recognised_in_both_suspend_interfaces(
+    suspend_by: str, args: tuple[Any, ...], kwargs: dict[str, Any], level_one: bool
+) -> None:
+    from vllm_elastic_kv.sleep import ElasticSleepBackend
+
+    backend = ElasticSleepBackend.__new__(ElasticSleepBackend)
+    backend._suspend_by = suspend_by  # type: ignore[assignment]
+    assert backend._level_one(args, kwargs) is level_one

@@ -10,11 +10,15 @@ config untouched; with the elastic backend it
    :class:`~elastic_kv.errors.ConfigError` naming each;
 2. sets ``scheduler_config.scheduler_cls`` (``--scheduler-cls``) and ``parallel_config.worker_cls``
    (``--worker-cls``) to the elastic subclasses of the classes the platform chose;
-3. with sleep mode on and a host arena configured (``ELASTIC_KV_HOST_ARENA``), selects the ``elastic``
+3. turns off vLLM's own extensible KV cache (``cache_config.enable_extensible_kv_cache``, 0.34+, on by
+   default on CUDA), which reserves the KV cache's address space itself and sizes it once after warm-up:
+   the elastic backend backs that range instead, and the two cannot both own it. A user who asked for it
+   explicitly (``--enable-extensible-kv-cache``) is refused rather than overruled;
+4. with sleep mode on and a host arena configured (``ELASTIC_KV_HOST_ARENA``), selects the ``elastic``
    sleep-mode backend (``model_config.sleep_mode_backend``), which keeps asleep weights there;
-4. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
+5. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
    and every worker receive with the config;
-5. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
+6. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
    processes when it is stopped, so the front end removes what they could not.
 
 Model features that are only known once the workers report their KV cache specs (several KV cache
@@ -93,18 +97,17 @@ def unsupported(vllm_config: Any) -> list[str]:
     return reasons
 
 
-def activate(vllm_config: Any, plugin: PluginConfig) -> None:
+def activate(vllm_config: Any, plugin: PluginConfig, extensible_requested: bool = False) -> None:
     """Make ``vllm_config`` run with the elastic backend (see the module docstring); ConfigError if it
-    cannot. Idempotent: a config activated once is left as it is."""
-    version = compat.installed_version()
-    support = compat.support_for(version)
-    problems = compat.check_installed(support) + [f"{m}: missing" for m in compat.missing_members(support)]
-    if problems:
-        raise ConfigError(
-            f"vllm-elastic-kv: vLLM {'.'.join(map(str, version))} does not have what the {support.label} "
-            f"support expects: {'; '.join(problems)}"
-        )
+    cannot. ``extensible_requested``: the user set ``enable_extensible_kv_cache=True`` themselves.
+    Idempotent: a config activated once is left as it is."""
+    compat.accept()
     reasons = unsupported(vllm_config)
+    if extensible_requested:
+        reasons.append(
+            "vLLM's extensible KV cache (--enable-extensible-kv-cache: both would back the KV cache's "
+            "address range)"
+        )
     if reasons:
         raise ConfigError(
             "--kv-cache-backend=elastic does not support " + "; ".join(reasons) + ". Remove them, or use "
@@ -116,6 +119,8 @@ def activate(vllm_config: Any, plugin: PluginConfig) -> None:
             f"{type(vllm_config.additional_config).__name__}"
         )
     sched, par, cache = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(cache, "enable_extensible_kv_cache", False):
+        cache.enable_extensible_kv_cache = False  # vLLM does the same where a worker cannot back it
     if plugin.capacity_bytes and cache.kv_cache_memory_bytes is None:
         cache.kv_cache_memory_bytes = plugin.capacity_bytes  # virtual: backed only as blocks are used
     model = vllm_config.model_config
@@ -147,7 +152,7 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
         vllm_config = original(self, *args, **kwargs)
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         if plugin.enabled:
-            activate(vllm_config, plugin)
+            activate(vllm_config, plugin, getattr(self, "enable_extensible_kv_cache", None) is True)
         return vllm_config
 
     return create_engine_config

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ from vllm_elastic_kv import compat
 if TYPE_CHECKING:
     from elastic_kv.ledger import Ledger
 
-__all__ = ["ElasticBlockPool"]
+__all__ = ["ElasticBlockPool", "owned_by"]
 
 # vLLM's own method, called directly: it runs for every new block, and a super() lookup is a measurable share.
 _vllm_get_new_blocks = BlockPool.get_new_blocks
@@ -198,13 +199,20 @@ class ElasticBlockPool(BlockPool):
                 )
         return taken
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """vLLM's ``free_blocks``; the never-cached blocks it queues at the front return to the ledger."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
+        """vLLM's ``free_blocks``; the never-cached blocks it queues at the front return to the ledger.
+
+        ``evict_first`` (vLLM 0.34+: another tier holds the contents): this pool's blocks freed for good
+        leave the prefix cache first, so they return to the ledger like never-cached ones."""
         ledger = self.ledger
-        if ledger is None:
-            super().free_blocks(ordered_blocks)
-            return
         blocks = list(ordered_blocks)
+        if evict_first:
+            for block in blocks:
+                if block.ref_cnt == 1 and not block.is_null and owned_by(block, self):
+                    self._maybe_evict_cached_block(block)
+        if ledger is None:
+            super().free_blocks(blocks)
+            return
         super().free_blocks(blocks)
         # Exactly the blocks vLLM prepended: ours, now unreferenced, not the null block, not cached.
         uncached = sum(
@@ -212,7 +220,7 @@ class ElasticBlockPool(BlockPool):
             for b in blocks
             if b.ref_cnt == 0
             and not b.is_null
-            and getattr(b, "pool", self) in (self, None)
+            and owned_by(b, self)
             and (b.block_hash is None or not self.enable_caching)
         )
         self._release(self.free_block_queue.popleft_n(uncached) if uncached else [])
@@ -298,7 +306,7 @@ class ElasticBlockPool(BlockPool):
             for block in candidates
             if block.ref_cnt == 0
             and not block.is_null
-            and getattr(block, "pool", self) in (self, None)
+            and owned_by(block, self)
             and _queued(block)
             and ledger.is_draining(block.block_id // bpp)
         ]
@@ -339,6 +347,15 @@ class ElasticBlockPool(BlockPool):
         for block in blocks:
             block.reset_hash()
         return True
+
+
+def owned_by(block: KVCacheBlock, pool: BlockPool) -> bool:
+    """Whether ``block`` is ``pool``'s: its ``pool`` field (compat.PROBED) names ``pool`` or nothing. The
+    field holds the pool itself (0.29-0.33) or a weak reference to it (0.34+)."""
+    owner = getattr(block, "pool", None)
+    if isinstance(owner, weakref.ref):
+        owner = owner()
+    return owner is None or owner is pool
 
 
 def _queued(block: KVCacheBlock) -> bool:

@@ -36,6 +36,8 @@ from typing import Any
 from elastic_kv.ledger.drain import order_by_holders
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_elastic_kv.block_pool import owned_by
+
 __all__ = ["drain_order", "vacate_draining_pages"]
 
 logger = logging.getLogger(__name__)
@@ -53,10 +55,7 @@ def _block_ids(scheduler: Any, request: Any) -> list[int]:
     pool = scheduler.elastic_pool.block_pool
     groups = scheduler.kv_cache_manager.coordinator.get_blocks(request.request_id)
     return [
-        block.block_id
-        for group in groups
-        for block in group
-        if not block.is_null and getattr(block, "pool", pool) in (pool, None)
+        block.block_id for group in groups for block in group if not block.is_null and owned_by(block, pool)
     ]
 
 
@@ -87,8 +86,11 @@ def vacate_draining_pages(scheduler: Any) -> int:
         for request in reversed(holders):
             scheduler.running.remove(request)
             scheduler._preempt_request(request, timestamp, **_DROP_STALE)
-            # If it resumes in this step, the workers need its tokens again (they dropped its state).
-            scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+            # If it resumes in this step, Model Runner V1 needs its tokens again (it dropped its state);
+            # releases with V2 only keep no such record (compat.PROBED).
+            scheduled = getattr(scheduler, "prev_step_scheduled_req_ids", None)
+            if scheduled is not None:
+                scheduled.discard(request.request_id)
         logger.info(
             "pool %s over its limit: preempted %d request(s) holding blocks on %d draining page(s)",
             elastic.record.name,

@@ -105,7 +105,9 @@ class ElasticSleepBackend(CuMemBackend):
         config = ElasticConfig.from_env(os.environ)
         self._arena = process_arena(config.host_arena) if config.host_arena is not None else None
         self._owner = config.pool_name or f"vllm-{os.getpid()}"
-        self._offload_tags = compat.support_for(compat.installed_version()).sleep_offload_tags
+        support = compat.support_for(compat.installed_version())
+        self._offload_tags = support.sleep_offload_tags
+        self._suspend_by = support.sleep_suspend
         self._extent: Extent | None = None
 
     @property
@@ -113,10 +115,18 @@ class ElasticSleepBackend(CuMemBackend):
         """The host arena this engine sleeps into (``None``: vLLM's own host copies)."""
         return self._arena
 
-    def suspend(self, level: int = 1) -> None:
-        """Level 1 into an arena extent when one fits; otherwise vLLM's ``cumem`` backend."""
-        if level != 1 or self._arena is None or self._extent is not None:
-            super().suspend(level)
+    def _level_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether vLLM's ``suspend`` call asks for a level-1 sleep: ``suspend(level)`` with level 1, or
+        (``VersionSupport.sleep_suspend == "discardable"``) ``suspend(discardable)`` with nothing to drop."""
+        if self._suspend_by == "level":
+            return (args[0] if args else kwargs.get("level", 1)) == 1
+        return not (args[0] if args else kwargs.get("discardable", ()))
+
+    def suspend(self, *args: Any, **kwargs: Any) -> None:
+        """A level-1 sleep into an arena extent when one fits; otherwise vLLM's ``cumem`` backend with the
+        same arguments (``suspend(level)``, or ``suspend(discardable)`` where vLLM passes that)."""
+        if not self._level_one(args, kwargs) or self._arena is None or self._extent is not None:
+            super().suspend(*args, **kwargs)
             return
         from vllm.device_allocator import get_mem_allocator_instance
         from vllm.device_allocator.cumem import libcudart
@@ -133,7 +143,7 @@ class ElasticSleepBackend(CuMemBackend):
                 self._arena.arena.path,
                 format_bytes(need),
             )
-            super().suspend(level)
+            super().suspend(*args, **kwargs)
             return
         t0 = time.perf_counter()
         try:

