@@ -31,7 +31,7 @@ shares hold little KV each (or the models do not all fit) and model count binds:
 set-up's case.
 
     python benchmarks/multi_model.py --device cpu --out DIR            # tiny local models, relative numbers
-    python benchmarks/multi_model.py --device cuda --out DIR [--models 6]   # H200: dummy 8B-shape weights
+    python benchmarks/multi_model.py --device cuda --out DIR [--models 6]   # H200: 8B-shape weights
     python benchmarks/multi_model.py --out DIR --report-only           # rebuild report and plots from DIR
 
 ``--setups static,elastic,sleep`` picks set-ups and ``--loads`` the loads; each set-up's results go to
@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.multimodel.client import replay  # noqa: E402
-from benchmarks.multimodel.engines import ModelShape, dummy_llama, tiny_llama  # noqa: E402
+from benchmarks.multimodel.engines import ModelShape, dummy_llama, random_llama, tiny_llama  # noqa: E402
 from benchmarks.multimodel.report import (  # noqa: E402
     Slo,
     plot_memory,
@@ -121,7 +121,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "start_timeout": 900.0,
         "sample_period": 0.5,
         "settle": 5.0,
-        "host_budget": "40%",
+        "host_budget": "50%",
         "preload": True,
     },
 }
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--start-parallel", type=int, help="engines started at once (cpu 2, cuda 4; static on cuda: 1)"
     )
-    p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 40%%)")
+    p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 50%%)")
     p.add_argument(
         "--host-arena-dir", type=Path, help="sleep set-up: the arena's directory (/dev/shm if room)"
     )
@@ -186,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="sleep set-up: start every model at start-up (cuda yes, cpu no)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("dummy", "random"),
+        help="cuda: --load-format dummy, or a random checkpoint written once beside --out, which level-2 "
+        "sleeps can reload (default: random with the sleep set-up, else dummy)",
     )
     p.add_argument("--prism-k", type=float, default=5.0, help="Prism SLO: k x p99 served alone (0: off)")
     p.add_argument("--start-timeout", type=float, help="seconds an engine may take to start")
@@ -212,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.setups if s not in SETUPS]
     if unknown:
         p.error(f"--setups: unknown set-up {unknown[0]!r} (choose from {', '.join(SETUPS)})")
+    if args.weights is None:
+        args.weights = "random" if "sleep" in args.setups else "dummy"
     if args.awake is None:
         args.awake = max(1, args.models - 1)
     return args
@@ -239,13 +247,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
         model_dir, dtype, dtype_bytes, gpu_total = tiny_llama(), "float32", 4, 0
         load = []
     else:
-        model_dir, dtype, dtype_bytes, gpu_total = (
-            dummy_llama(args.out / "model"),
-            "bfloat16",
-            2,
-            _gpu_total(),
-        )
-        load = ["--load-format", "dummy"]
+        dtype, dtype_bytes, gpu_total = "bfloat16", 2, _gpu_total()
+        if args.weights == "random":  # shared by the runs beside this one (--out's parent)
+            model_dir, load = random_llama(args.out.parent / "model"), []
+        else:
+            model_dir, load = dummy_llama(args.out / "model"), ["--load-format", "dummy"]
     engine_args = [
         "--dtype",
         dtype,

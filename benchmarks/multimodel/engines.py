@@ -33,6 +33,7 @@ __all__ = [
     "ServerProcess",
     "dummy_llama",
     "free_port",
+    "random_llama",
     "start_all",
     "tiny_llama",
     "vllm_server_argv",
@@ -131,6 +132,46 @@ def dummy_llama(root: Path, shape: Mapping[str, int] = LLAMA_8B) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     ).save_pretrained(path)
     (path / ".complete").write_text("ok\n")
+    return path
+
+
+def random_llama(root: Path, shape: Mapping[str, int] = LLAMA_8B, shard_bytes: int = 2 << 30) -> Path:
+    """:func:`dummy_llama`'s folder plus random bf16 weights in safetensors shards (about 1 GB/s to write):
+    a checkpoint vLLM can load and, after a level-2 sleep, reload (``--load-format dummy`` cannot be
+    reloaded). Matrices are N(0, 0.02), norms 1. Written once per ``root``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = dummy_llama(root, shape)
+    if (path / ".weights").exists():
+        return path
+    with torch.device("meta"):
+        names = {
+            k: (v.shape, v.ndim)
+            for k, v in LlamaForCausalLM(LlamaConfig.from_pretrained(path)).state_dict().items()
+        }
+    gen = torch.Generator().manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            save_file(shard, str(path / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            shard, size, index = {}, 0, index + 1
+
+    for name, (dims, ndim) in names.items():
+        if ndim == 1:
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = torch.empty(dims, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+        shard[name] = tensor
+        size += tensor.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    (path / ".weights").write_text("random bf16, seed 0\n")
     return path
 
 

@@ -130,3 +130,23 @@ def test_two_models_waking_at_once_do_not_wait_for_each_others_claim(tmp_path: P
             await sup.client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_vllm_model_with_random_weights_never_sleeps_at_level_2(tmp_path: Path) -> None:
+    """vLLM reloads weights from the checkpoint: with ``--load-format dummy`` there is none, so when the
+    arena has no room the sleep is a stop, not a level-2 sleep whose wake would fail."""
+    from elastic_kv_serve.config import ModelConfig
+    from elastic_kv_serve.host import HostMemory
+    from elastic_kv_serve.kinds import VllmKind
+
+    real = ModelConfig(name="real", model="/m")
+    dummy = ModelConfig(name="dummy", model="/m", args=["--load-format", "dummy"])
+    kind = VllmKind()
+    assert kind.levels_for(real) == (1, 2) and kind.levels_for(dummy) == (1,)
+    host = HostMemory(4 * MiB, tmp_path)
+    host.create_arena()
+    try:
+        assert host.level_for(kind, dummy, 2 * MiB) == 1  # the copy fits the arena
+        assert host.level_for(kind, real, 64 * MiB) == 2 and host.level_for(kind, dummy, 64 * MiB) == 0
+    finally:
+        host.close()

@@ -27,6 +27,7 @@ from elastic_kv.errors import ConfigError
 from elastic_kv.host import HostArena
 from elastic_kv.sizes import Percent, format_bytes
 
+from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.kinds import EngineKind
 
 __all__ = ["ARENA_NAME", "HOST_RESERVE_FRACTION", "HostMemory", "host_total_bytes", "resolve_host_budget"]
@@ -97,11 +98,12 @@ class HostMemory:
         """Give back the extents of engines that died; the bytes reclaimed."""
         return sum(e.size for e in self.arena.reclaim_dead()) if self.arena is not None else 0
 
-    def level_for(self, kind: EngineKind, need_bytes: int) -> int:
-        """The sleep level for a model of ``kind`` whose level-1 copy takes ``need_bytes``: 1 when its copy
-        fits (the arena's largest free extent, or the host's available memory for engines that keep it
-        themselves), else 2 where ``kind`` can reload its weights, else 0 (stop the engine)."""
-        if 1 in kind.levels:
+    def level_for(self, kind: EngineKind, model: ModelConfig, need_bytes: int) -> int:
+        """The sleep level for ``model`` (of ``kind``) whose level-1 copy takes ``need_bytes``: 1 when its
+        copy fits (the arena's largest free extent, or the host's available memory for engines that keep it
+        themselves), else 2 where the model's weights can be reloaded, else 0 (stop the engine)."""
+        levels = kind.levels_for(model)
+        if 1 in levels:
             if kind.uses_arena:
                 fits = self.arena is not None and self.arena.largest_free() >= need_bytes
             else:
@@ -109,4 +111,4 @@ class HostMemory:
                 fits = memory.available - need_bytes >= HOST_RESERVE_FRACTION * memory.total
             if fits:
                 return 1
-        return 2 if 2 in kind.levels else 0
+        return 2 if 2 in levels else 0

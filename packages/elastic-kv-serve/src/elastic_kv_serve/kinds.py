@@ -7,7 +7,8 @@ One :class:`EngineKind` per ``engine`` value of the config:
   ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``. Level 1: ``POST /sleep?level=1`` keeps the weights
   in host memory (the host arena, through the plugin's sleep-mode backend), ``POST /wake_up`` brings them
   back. Level 2: ``POST /sleep?level=2`` drops them; waking is vLLM's documented sequence ``/wake_up?tags=
-  weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint), ``/wake_up?tags=kv_cache``. Once
+  weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint: not for ``--load-format dummy``,
+  whose sleeps are level 1 or a stop), ``/wake_up?tags=kv_cache``. Once
   it serves, ``/collective_rpc`` ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no
   sleep pays for pinning.
 * ``sglang`` -- ``python -m sglang.launch_server``; sleeps where CUDA and ``torch_memory_saver`` are there
@@ -90,6 +91,10 @@ class EngineKind:
             raise RuntimeError(f"model {model.name}: cannot load engine {self.name}: {tail[0]}")
         return "engine" if lines[-1] == "1" else "stop"
 
+    def levels_for(self, model: ModelConfig) -> tuple[int, ...]:
+        """The sleep levels ``model`` can use (``levels``, less what its arguments rule out)."""
+        return self.levels
+
     def health_path(self, model: ModelConfig) -> str:
         return "/health"
 
@@ -121,6 +126,10 @@ class VllmKind(EngineKind):
 
     def extra_env(self, sleep_mode: SleepMode) -> dict[str, str]:
         return {"VLLM_SERVER_DEV_MODE": "1"} if sleep_mode == "engine" else {}  # /sleep, /collective_rpc
+
+    def levels_for(self, model: ModelConfig) -> tuple[int, ...]:
+        # reload_weights reads a checkpoint: random weights (--load-format dummy) cannot be reloaded
+        return (1,) if "dummy" in flag_values(model.args, "--load-format") else self.levels
 
     async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
         if arena:

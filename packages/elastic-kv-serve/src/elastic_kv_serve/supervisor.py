@@ -361,7 +361,7 @@ class Supervisor:
         async with self._host_lock:
             level = 0
             if rt.sleep_mode == "engine" and rt.engine is not None:
-                level = self.host.level_for(kind, rt.host_need_bytes or rt.weights_bytes)
+                level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
             try:
                 if level and rt.engine is not None:
                     await kind.sleep(self.client, rt.engine.url, rt.config, level)
