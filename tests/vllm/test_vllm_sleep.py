@@ -127,3 +127,19 @@ def test_a_level_one_sleep_is_recognised_in_both_suspend_interfaces(
     backend = ElasticSleepBackend.__new__(ElasticSleepBackend)
     backend._suspend_by = suspend_by  # type: ignore[assignment]
     assert backend._level_one(args, kwargs) is level_one
+
+
+def test_arena_extents_are_owned_by_the_pool_the_worker_names() -> None:
+    # The worker names the owner from the configured pool name (additional_config or ELASTIC_KV_POOL_NAME);
+    # without one, the backend's own default (this process) stays.
+    from vllm_elastic_kv import sleep
+
+    backend = sleep.ElasticSleepBackend.__new__(sleep.ElasticSleepBackend)
+    backend._default_owner = "vllm-123"
+    try:
+        assert backend._owner == "vllm-123"
+        sleep.set_owner("serve.m0")
+        assert backend._owner == "serve.m0"
+    finally:
+        sleep.set_owner(None)
+    assert backend._owner == "vllm-123"

@@ -48,6 +48,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     mp = pytest.MonkeyPatch()
     mp.setenv("ELASTIC_KV_HOST_ARENA", str(arena.path))
     mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
+    # This process has initialised the CUDA driver (the gpu marker's probe opens device 0 through our
+    # backend, which torch does not see): a forked engine core could not use it, so vLLM must spawn.
+    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         llm = LLM(
             model=str(tiny_model(SPEC)),

@@ -38,7 +38,7 @@ from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 
 from vllm_elastic_kv import compat
 
-__all__ = ["ElasticSleepBackend", "PinnedArena", "process_arena"]
+__all__ = ["ElasticSleepBackend", "PinnedArena", "process_arena", "set_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,17 @@ def process_arena(path: Path) -> PinnedArena:
     return PinnedArena(HostArena.open(path))
 
 
+_owner_name: str | None = None
+
+
+def set_owner(name: str | None) -> None:
+    """Name this process's arena extents after the engine's pool (the worker calls it with the pool name of
+    ``additional_config`` or ``ELASTIC_KV_POOL_NAME``, whichever configured it): ``elastic-kv status`` and
+    the host budget attribute asleep weights to a model by it."""
+    global _owner_name
+    _owner_name = name
+
+
 class ElasticSleepBackend(CuMemBackend):
     """vLLM's ``cumem`` sleep-mode backend, level-1 copies in the host arena (see the module docstring)."""
 
@@ -104,11 +115,16 @@ class ElasticSleepBackend(CuMemBackend):
         super().__init__()
         config = ElasticConfig.from_env(os.environ)
         self._arena = process_arena(config.host_arena) if config.host_arena is not None else None
-        self._owner = config.pool_name or f"vllm-{os.getpid()}"
+        self._default_owner = config.pool_name or f"vllm-{os.getpid()}"
         support = compat.support_for(compat.installed_version())
         self._offload_tags = support.sleep_offload_tags
         self._suspend_by = support.sleep_suspend
         self._extent: Extent | None = None
+
+    @property
+    def _owner(self) -> str:
+        """The arena extent's owner: the pool name the worker set (:func:`set_owner`), else this process's."""
+        return _owner_name or self._default_owner
 
     @property
     def arena(self) -> PinnedArena | None:

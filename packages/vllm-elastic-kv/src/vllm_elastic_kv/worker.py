@@ -78,6 +78,10 @@ class ElasticWorkerMixin:
         support = compat.support_for(compat.installed_version())
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
         self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
+        if plugin.elastic.host_arena is not None and plugin.elastic.pool_name is not None:
+            from vllm_elastic_kv.sleep import set_owner
+
+            set_owner(plugin.elastic.pool_name)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
         check_model(kv_cache_config)
         self._elastic_pool.finish(bound_kv_views(self.vllm_config, kv_cache_config))
