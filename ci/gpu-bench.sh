@@ -12,14 +12,16 @@
 #   n8     eight 8B models, elastic-kv serve (sleep set-up), 16 bursts x 24 reaching every model, load 4
 #   n12    twelve 8B models, the same at 24 bursts x 16
 #   n3     three 8B models, static then elastic, loads 8 and 16 (where static's attainment falls)
-# A step that fails is recorded and the next one runs. `poll` copies into $OUT/gpu-bench: the driver's log,
-# each step's log tail, the benchmark's results.json, report.md, plots, alone.json, the serve log's tail and
-# host memory over time; `python benchmarks/multi_model.py --out DIR --report-only` redraws a report here.
+# A step that fails is recorded and the next one runs. `poll` packs into $OUT/gpu-bench.tar.gz (one file: a
+# device call brings back at most eight): the driver's log, each step's log tail, the benchmark's
+# results.json, report.md, plots, alone.json, the serve and engine log tails, host memory over time and the
+# GPU test logs; `python benchmarks/multi_model.py --out DIR --report-only` redraws a report here.
 # Needs the vLLM bundle of ci/gpu-bundle/ unpacked at /tmp/site (unpack.sh), python3 with pip.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="${GPU_BENCH_DIR:-/tmp/gpu-bench}"
-out="${OUT:-$root/build/gpu-bench}/gpu-bench"
+dest_dir="${OUT:-$root/build/gpu-bench}"   # a device call brings back at most 8 files: one archive
+out="$work/collected/gpu-bench"
 
 usage() { echo "usage: bash ci/gpu-bench.sh start [tests|n8|n12|n3 ...] | poll [--wait SECONDS]" >&2; exit 2; }
 
@@ -66,7 +68,8 @@ run_plan() {  # the detached job: install, then every step; one line per step in
     kill "$sampler"
 }
 
-collect() {  # copy what exists now into $out
+collect() {  # pack what exists now into $dest_dir/gpu-bench.tar.gz
+    rm -rf "$out"
     mkdir -p "$out"
     cp -f "$work"/status "$work"/machine.txt "$work"/host-memory.log "$work"/install.log "$out"/ 2>/dev/null
     for log in "$work"/*.log; do
@@ -81,8 +84,9 @@ collect() {  # copy what exists now into $out
         cp -f "$dir"/*.json "$dir"/*.md "$dir"/*.png "$dir"/models.toml "$dest"/ 2>/dev/null
         [ -f "$dir/logs/sleep-serve.log" ] && tail -n 400 "$dir/logs/sleep-serve.log" >"$dest/sleep-serve.tail.log"
         for engine in "$dir"/logs/sleep-engines/*.log "$dir"/logs/static-*.log "$dir"/logs/elastic-*.log; do
-            [ -f "$engine" ] && tail -n 60 "$engine" >"$dest/$(basename "$engine" .log).tail.log"
-        done
+            [ -f "$engine" ] && { echo "==== $(basename "$engine")"; tail -n 40 "$engine"; }
+        done >"$dest/engines.tail.log"
+        rm -f "$dest"/serve.*.tail.log
     done
     if [ -d "$work/gpu-logs" ]; then
         mkdir -p "$out/gpu-logs"
@@ -90,6 +94,8 @@ collect() {  # copy what exists now into $out
             [ -f "$log" ] && tail -n 300 "$log" >"$out/gpu-logs/$(basename "$log")"
         done
     fi
+    mkdir -p "$dest_dir"
+    tar -czf "$dest_dir/gpu-bench.tar.gz" -C "$(dirname "$out")" gpu-bench
 }
 
 case "${1:-}" in
