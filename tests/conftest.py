@@ -1,10 +1,19 @@
-"""Shared pytest configuration: GPU tests run only where a CUDA driver with VMM support exists."""
+"""Shared pytest configuration: GPU tests run only where a CUDA driver with VMM support exists; a failing
+test's report carries the tails of the engine logs watched at the time (:mod:`tests.support.engine_logs`)."""
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `tests.support` under a bare `pytest`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support import engine_logs
 
 
 @functools.cache
@@ -26,3 +35,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        report.sections.extend(engine_logs.sections())

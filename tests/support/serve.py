@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
 
 # vLLM on the CPU for a tiny model: float32, eager, a fixed (virtual) KV capacity.
@@ -88,6 +89,8 @@ class ServeProcess:
         self.config = write_config(workdir / "models.toml", server, models)
         self.log_path = workdir / "serve.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 -- closed in stop()
+        engine_logs.watch(self.log_path, f"{workdir.name}/serve.log")
+        engine_logs.watch(workdir / "logs", f"{workdir.name}/logs")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config)],
@@ -139,4 +142,6 @@ class ServeProcess:
                 self.proc.wait()
         self.client.close()
         self._log.close()
+        engine_logs.unwatch(self.log_path)
+        engine_logs.unwatch(self.workdir / "logs")
         return self.proc.returncode

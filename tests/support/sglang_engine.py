@@ -25,6 +25,7 @@ from typing import Any
 from elastic_kv.registry import Registry
 from elastic_kv.snapshot import PoolSnapshot
 
+from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
 
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
@@ -88,6 +89,7 @@ class EngineProcess:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")  # noqa: SIM115 -- lives as long as the engine
+        engine_logs.watch(log_path, f"sglang/{log_path.name}")
         # A pipe whose child end the driver inherits by descriptor: no port, and EOF when it dies.
         self._conn: Connection | None
         self._conn, child = Pipe()
@@ -157,6 +159,7 @@ class EngineProcess:
                 self._proc.kill()
                 self._proc.wait()
         self._log.close()
+        engine_logs.unwatch(self.log_path)
 
     def __enter__(self) -> EngineProcess:
         return self

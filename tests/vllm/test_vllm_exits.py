@@ -28,6 +28,8 @@ import requests
 from elastic_kv.registry import DeviceBudget, PoolRecord, Registry
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
+from tests.support import engine_logs
+
 pytestmark = pytest.mark.vllm
 
 POOL = "test-exits"
@@ -67,7 +69,7 @@ class Server:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         process.kill()
             self.proc.wait(timeout=30)
-            raise AssertionError(f"server did not come up; see {self.log}")
+            raise AssertionError(f"server did not come up; see {self.log}:\n{engine_logs.tail(self.log)}")
         top = psutil.Process(self.proc.pid)
         # psutil.Process remembers each start time: a reused PID is never signalled by mistake.
         self.processes = [top, *top.children(recursive=True)]
@@ -75,7 +77,9 @@ class Server:
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log}")
+            raise RuntimeError(
+                f"server exited ({self.proc.returncode}); see {self.log}:\n{engine_logs.tail(self.log)}"
+            )
         try:
             return requests.get(f"{self.url}/health", timeout=1).status_code == 200
         except requests.RequestException:

@@ -21,6 +21,8 @@ import pytest
 import requests
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
+from tests.support import engine_logs
+
 pytestmark = pytest.mark.vllm
 
 POOL = "test-serve"
@@ -74,10 +76,12 @@ def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         except requests.RequestException:
             return False
 
+    engine_logs.watch(log, "vllm-serve/server.log")
     try:
         assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
         yield url
     finally:
+        engine_logs.unwatch(log)
         proc.terminate()
         try:
             proc.wait(timeout=30)

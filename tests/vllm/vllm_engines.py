@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tests.support import engine_logs  # noqa: E402
 from tests.support.models import tiny_model  # noqa: E402
 
 # 64 MiB of virtual capacity: 512 blocks of 128 tokens (vLLM's CPU block size) x 2 layers x 64 KiB.
@@ -250,7 +251,7 @@ def run_script(mode: str, env: dict[str, str]) -> dict[str, Any]:
             timeout=900,
         )
     if done.returncode != 0:
-        raise RuntimeError(f"{mode} run failed (see {log})")
+        raise RuntimeError(f"{mode} run failed (see {log}):\n{engine_logs.tail(log)}")
     return json.loads(done.stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 

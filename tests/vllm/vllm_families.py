@@ -48,6 +48,7 @@ from vllm_engines import (  # noqa: E402
     wait_for,
 )
 
+from tests.support import engine_logs  # noqa: E402
 from tests.support.models import ARCH_MODELS, arch_model  # noqa: E402
 
 # The third run's batches: several batch shapes, all of them different from the first run's.
@@ -333,7 +334,9 @@ def reference_runs(family: Family) -> dict[str, Any]:
             timeout=900,
         )
     if done.returncode != 0:
-        raise RuntimeError(f"the native reference of {family.name} failed (see {log})")
+        raise RuntimeError(
+            f"the native reference of {family.name} failed (see {log}):\n{engine_logs.tail(log)}"
+        )
     result = json.loads(done.stdout.decode().strip().splitlines()[-1])
     cache.write_text(json.dumps(result))
     return result  # type: ignore[no-any-return]

@@ -25,6 +25,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from vllm_engines import generate, prompts  # noqa: E402
 
+from tests.support import engine_logs  # noqa: E402
 from tests.support.models import TinyModelSpec, tiny_model  # noqa: E402
 
 MIB = 1 << 20
@@ -189,7 +190,8 @@ def run_shapes(names: Sequence[str], registry_dir: Path, timeout: float = 900) -
                 proc.wait()
             log.close()
         if proc.returncode != 0:
-            raise RuntimeError(f"the {mode} engines failed (see {log.name})")
+            why = engine_logs.tail(Path(log.name))
+            raise RuntimeError(f"the {mode} engines failed (see {log.name}):\n{why}")
         results[mode] = json.loads(out.decode().strip().splitlines()[-1])
     return results
 
