@@ -52,6 +52,17 @@ def reference() -> dict[str, list[list[int]]]:
 
 
 # -- one engine per family class (vllm_families.FamilyChecks) ------------------------------------------
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tell ``vllm_families`` which families this session tests: their native references are computed
+    together, in one interpreter."""
+    names = [item.cls.family.name for item in items if getattr(getattr(item, "cls", None), "family", None)]
+    if names:
+        from vllm_families import plan_references
+
+        plan_references(names)
+
+
 # Plain functions read the family from the test class: a class-scoped fixture defined as a method would run
 # on one instance and be used by others (pytest deprecates that).
 @pytest.fixture(scope="class")

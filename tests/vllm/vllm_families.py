@@ -4,7 +4,7 @@ one elastic engine per test module, and the checks every served family passes (:
 A family module (``test_vllm_family_<name>.py``) defines ``FAMILY`` and a ``class Test...(FamilyChecks)``;
 the fixtures here start its engine once for the module. The reference is pure vLLM
 (``VLLM_PLUGINS=""``: the plugin not even loaded) in a fresh interpreter,
-``python tests/vllm/vllm_families.py reference NAME``, cached under ``.cache/`` keyed by everything that
+``python tests/vllm/vllm_families.py reference NAME...``, cached under ``.cache/`` keyed by everything that
 determines it. It runs the prompts three times on one engine -- all at once, again (now hitting the prefix
 cache), and in batches of four -- and the elastic engine must give the same tokens in the same three runs.
 The three native runs must agree with one another first: where they do not, a comparison would measure
@@ -317,29 +317,50 @@ def _reference_key(family: Family) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_SESSION_FAMILIES: list[str] = []
+
+
+def plan_references(names: list[str]) -> None:
+    """The families this pytest session tests (``tests/vllm/conftest.py`` at collection): the first
+    reference that is not cached computes every missing one of them in one interpreter, so vLLM is
+    imported once for all of them."""
+    _SESSION_FAMILIES[:] = list(dict.fromkeys(names))
+
+
+def _reference_cache(family: Family) -> Path:
+    return REPO_ROOT / ".cache" / f"vllm-family-{family.name}-{_reference_key(family)}.json"
+
+
 def reference_runs(family: Family) -> dict[str, Any]:
-    """Pure vLLM's :func:`generate_runs` for ``family`` and its KV cache groups (cached)."""
-    cache = REPO_ROOT / ".cache" / f"vllm-family-{family.name}-{_reference_key(family)}.json"
+    """Pure vLLM's :func:`generate_runs` for ``family`` and its KV cache groups (cached; computed together
+    with the other missing references of the session, see :func:`plan_references`)."""
+    cache = _reference_cache(family)
     if cache.exists():
         return json.loads(cache.read_text())  # type: ignore[no-any-return]
-    log = REPO_ROOT / ".cache" / f"vllm-family-{family.name}.log"
+    names = [
+        name
+        for name in dict.fromkeys([family.name, *_SESSION_FAMILIES])
+        if not _reference_cache(FAMILIES[name]).exists()
+    ]
+    log = REPO_ROOT / ".cache" / "vllm-family-references.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""}
     with open(log, "w") as err:
         done = subprocess.run(
-            [sys.executable, __file__, "reference", family.name],
+            [sys.executable, __file__, "reference", *names],
             env=env,
             stdout=subprocess.PIPE,
             stderr=err,
-            timeout=900,
+            timeout=300 * len(names),
         )
     if done.returncode != 0:
         raise RuntimeError(
-            f"the native reference of {family.name} failed (see {log}):\n{engine_logs.tail(log)}"
+            f"the native references of {', '.join(names)} failed (see {log}):\n{engine_logs.tail(log)}"
         )
-    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    cache.write_text(json.dumps(result))
-    return result  # type: ignore[no-any-return]
+    results = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    for name in names:
+        _reference_cache(FAMILIES[name]).write_text(json.dumps(results[name]))
+    return results[family.name]  # type: ignore[no-any-return]
 
 
 def _worker_groups(worker: Any) -> str:
@@ -535,5 +556,5 @@ class FamilyChecks:
             Registry(family_registry_dir).set_limit(name, 0)
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "reference":
-    print(json.dumps(_reference(FAMILIES[sys.argv[2]])), flush=True)
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "reference":
+    print(json.dumps({name: _reference(FAMILIES[name]) for name in sys.argv[2:]}), flush=True)
