@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
 from tests.support.sglang_engine import LOG_DIR, engine_environ, kvctl, plugin_installed
 
@@ -73,7 +74,7 @@ class Server:
         raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return engine_logs.tail(self.log_path, lines)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -99,7 +99,7 @@ class ServeProcess:
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return engine_logs.tail(self.log_path, lines)
 
     def document(self) -> dict[str, Any]:
         """The server's whole ``/status`` document."""

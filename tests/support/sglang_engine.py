@@ -137,10 +137,7 @@ class EngineProcess:
 
     def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the engine log."""
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return engine_logs.tail(self.log_path, lines)
 
     def close(self) -> None:
         """Shut the engine down (politely, then by force) and release the socket."""
