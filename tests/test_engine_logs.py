@@ -20,27 +20,33 @@ def test_a_failure_shows_the_watched_logs_and_a_pass_shows_nothing(
     pytester.makeconftest("from tests.conftest import pytest_runtest_makereport  # noqa: F401\n")
     pytester.makepyfile(
         r"""
-        from pathlib import Path
+        import pytest
         from tests.support import engine_logs
 
-        def _engine(tmp_path, name):
-            log = tmp_path / name
+        def _engine(folder, name):
+            log = folder / name
             log.write_text("".join(f"line {i}\n" for i in range(100)) + f"{name} the engine's last words\n")
             return log
 
-        def test_fails_while_watching(tmp_path):
+        @pytest.fixture
+        def watched(tmp_path):  # as the engine fixtures do: watched while the engine runs
             logs = tmp_path / "logs"
             logs.mkdir()
             _engine(logs, "m0.log")
-            engine_logs.watch(_engine(tmp_path, "server.log"), "server")
+            server = _engine(tmp_path, "server.log")
+            engine_logs.watch(server, "server")
             engine_logs.watch(logs, "serve/logs")
+            yield
+            engine_logs.unwatch(server)
+            engine_logs.unwatch(logs)
+
+        def test_fails_while_watching(watched):
             assert False, "the engine answered wrongly"
 
         def test_fails_after_unwatching(tmp_path):
-            engine_logs.unwatch(tmp_path.parent / "test_fails_while_watching0" / "server.log")
-            engine_logs.unwatch(tmp_path.parent / "test_fails_while_watching0" / "logs")
-            engine_logs.watch(_engine(tmp_path, "other.log"), "other")
-            engine_logs.unwatch(tmp_path / "other.log")
+            other = _engine(tmp_path, "other.log")
+            engine_logs.watch(other, "other")
+            engine_logs.unwatch(other)
             assert False
 
         def test_passes_while_watching(tmp_path):
