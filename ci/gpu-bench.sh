@@ -86,7 +86,6 @@ collect() {  # pack what exists now into $dest_dir/gpu-bench.tar.gz
         for engine in "$dir"/logs/sleep-engines/*.log "$dir"/logs/static-*.log "$dir"/logs/elastic-*.log; do
             [ -f "$engine" ] && { echo "==== $(basename "$engine")"; tail -n 40 "$engine"; }
         done >"$dest/engines.tail.log"
-        rm -f "$dest"/serve.*.tail.log
     done
     if [ -d "$work/gpu-logs" ]; then
         mkdir -p "$out/gpu-logs"
