@@ -201,16 +201,19 @@ def check_device_charged_for_every_rank(llm: Any, registry_dir: Path, pool: str)
     ``mapped_bytes`` (kvctl's MAPPED) is that charge."""
     from elastic_kv.registry import Registry
 
+    seen: dict[str, Any] = {}
+
     def settled() -> bool:
         infos = llm.collective_rpc("elastic_kv_info")
         (device,) = Registry(registry_dir).devices()
+        seen.update(infos=infos, device=device)
         return len({i["mapped_bytes"] for i in infos}) == 1 and device.charged_bytes == sum(
             i["mapped_bytes"] for i in infos
         )
 
     assert wait_for(settled)
-    (device,) = Registry(registry_dir).devices()
-    infos = llm.collective_rpc("elastic_kv_info")
+    # The readings that settled: read again, a rank's reserve may have moved in between.
+    device, infos = seen["device"], seen["infos"]
     assert device.device == "cpu" and device.pools == (pool,)
     assert device.charged_bytes == len(infos) * infos[0]["mapped_bytes"] > 0
     assert device.total_bytes > 0  # percentages of the device work for vLLM pools too
