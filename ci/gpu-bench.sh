@@ -14,7 +14,7 @@
 #   n3     three 8B models, static then elastic, loads 8 and 16 (where static's attainment falls)
 # A step that fails is recorded and the next one runs. `poll` packs into $OUT/gpu-bench.tar.gz (one file: a
 # device call brings back at most eight): the driver's log, each step's log tail, the benchmark's
-# results.json, report.md, plots, alone.json, the serve and engine log tails, host memory over time and the
+# results.json, report.md, plots, alone.json, the serve log, the engine log tails, host memory over time and the
 # GPU test logs; `python benchmarks/multi_model.py --out DIR --report-only` redraws a report here.
 # Needs the vLLM bundle of ci/gpu-bundle/ unpacked at /tmp/site (unpack.sh), python3 with pip.
 set -uo pipefail
@@ -82,7 +82,8 @@ collect() {  # pack what exists now into $dest_dir/gpu-bench.tar.gz
         dest="$out/$name"
         mkdir -p "$dest"
         cp -f "$dir"/*.json "$dir"/*.md "$dir"/*.png "$dir"/models.toml "$dest"/ 2>/dev/null
-        [ -f "$dir/logs/sleep-serve.log" ] && tail -n 400 "$dir/logs/sleep-serve.log" >"$dest/sleep-serve.tail.log"
+        # the whole serve log (it compresses well): every sleep, wake and wait for room is in it
+        cp -f "$dir/logs/sleep-serve.log" "$dest"/ 2>/dev/null
         for engine in "$dir"/logs/sleep-engines/*.log "$dir"/logs/static-*.log "$dir"/logs/elastic-*.log; do
             [ -f "$engine" ] && { echo "==== $(basename "$engine")"; tail -n 40 "$engine"; }
         done >"$dest/engines.tail.log"
