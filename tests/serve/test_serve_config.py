@@ -77,6 +77,8 @@ def test_server_defaults_apply() -> None:
         ({"server": {"host_budget": 0}, "models": [{"name": "m", "model": "/m"}]}, "server.host_budget"),
         ({"server": {"max_queued": 0}, "models": [{"name": "m", "model": "/m"}]}, "server.max_queued"),
         ({"server": {"kv_headroom": "-1M"}, "models": [{"name": "m", "model": "/m"}]}, "server.kv_headroom"),
+        ({"server": {"kv_share_min": "2 parts"}, "models": [{"name": "m", "model": "/m"}]},
+         "server.kv_share_min"),
         ({"server": {"pressure_idle_s": -1}, "models": [{"name": "m", "model": "/m"}]},
          "server.pressure_idle_s"),
         ({"server": {"start_parallel": 0}, "models": [{"name": "m", "model": "/m"}]},

@@ -262,3 +262,62 @@ def test_a_serving_model_whose_kv_fills_the_budget_gets_an_idle_neighbours_memor
         assert status["a"]["state"] == "awake" and not _transitions(status, "a", "sleep")
     finally:
         srv.stop()
+
+
+def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tmp_path: Path) -> None:
+    """A 50 MiB budget, three models of 15 MiB (declared), ``c`` idle-sleeping: ``a`` and ``b`` serve 20 s
+    requests that want 12 MiB of KV each and fill the 20 MiB left. A request to ``c`` finds no idle model to
+    put to sleep; instead of waiting for ``a`` or ``b`` to finish, their KV is shared three ways (5 MiB of
+    room, 1.66 MiB each), their engines give KV back down to the share, ``c`` wakes and answers while they
+    still run; theirs complete too, and the shares are lifted once at most one model serves."""
+    (tmp_path / "s").mkdir()
+
+    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
+        model["command"] += ["--token-ms", "500"]
+        return model
+
+    srv = ServeProcess(
+        tmp_path / "s",
+        {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "pressure_idle_s": 30},
+        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+        done: dict[str, float] = {}
+
+        def ask(model: str, n: int, kv: int) -> httpx.Response:
+            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
+            reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+            done[model] = time.monotonic()
+            return reply
+
+        with ThreadPoolExecutor(3) as pool:
+            long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:  # the budget is full
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            short = pool.submit(ask, "c", 2, 0)
+            assert _text(short.result(timeout=60)) == _expected(tmp_path, "c", "c", 2)
+            assert done["c"] - t0 < 8.0  # a and b run about 20 s
+            status = srv.status()
+            assert not any(long[m].done() for m in "ab"), status
+            assert status["a"]["kv_limit_bytes"] == status["b"]["kv_limit_bytes"] == (5 * MiB) // 3
+            wake = _transitions(status, "c", "wake")[-1]
+            assert wake["level"] == "1" and wake["seconds"] < 8.0, wake
+            for m in "ab":
+                assert _text(long[m].result(timeout=60)) == _expected(tmp_path, m, m, 40)
+                stats = httpx.get(f"http://127.0.0.1:{status[m]['port']}/stats", timeout=10).json()
+                assert stats["preemptions"] >= 1, (m, stats)
+        deadline = time.monotonic() + 10
+        while any(srv.status()[m]["kv_limit_bytes"] is not None for m in "abc"):
+            assert time.monotonic() < deadline, srv.status()
+            time.sleep(0.1)
+        from elastic_kv.registry import Registry
+
+        pools = Registry(srv.registry).pools()
+        assert len(pools) == 3 and all(p.limit_bytes == 0 for p in pools), pools
+    finally:
+        srv.stop()

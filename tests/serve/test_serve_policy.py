@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits, pressure_victim
+from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits, kv_share, pressure_victim
 
 MiB = 1 << 20
 
@@ -150,3 +150,12 @@ def test_a_vllm_model_with_random_weights_never_sleeps_at_level_2(tmp_path: Path
         assert host.level_for(kind, real, 64 * MiB) == 2 and host.level_for(kind, dummy, 64 * MiB) == 0
     finally:
         host.close()
+
+
+def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
+    assert kv_share(30 * MiB, 3) == 10 * MiB
+    assert kv_share(10, 3) == 3  # whole bytes, rounded down
+    assert kv_share(-5 * MiB, 2) == 1  # no room at all: the least limit a pool can have (0 is none)
+    assert kv_share(1 * MiB, 4, floor_bytes=2 * MiB) == 2 * MiB
+    with pytest.raises(ValueError, match="at least one claimant"):
+        kv_share(MiB, 0)

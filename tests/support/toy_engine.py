@@ -12,7 +12,8 @@ that restored them wrongly answers differently.
 Routes: ``GET /health``, ``POST /v1/completions`` (``prompt``, ``max_tokens``; takes ``token-ms`` per token;
 ``kv_bytes``: KV the request holds while it runs, charged 1 MiB at a time to the engine's real pool record in
 the registry named by ``ELASTIC_KV_REGISTRY_DIR``, waiting for the budget while a charge is refused, as an
-elastic engine's pool grows page by page),
+elastic engine's pool grows page by page; under a pool limit below its charge the newest requests give KV
+back until the pool fits, as an engine preempts, and grow again while they run),
 ``POST /sleep?level=1`` (the weights into an extent of the host arena named by ``ELASTIC_KV_HOST_ARENA``,
 owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropped), ``POST
 /wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``).
@@ -63,6 +64,8 @@ class Engine:
         self.owner = os.environ.get("ELASTIC_KV_POOL_NAME", "toy")
         self.extent: Extent | None = None
         self.level = 0
+        self.running: list[list[int]] = []  # KV each running request holds, oldest first
+        self.preemptions = 0
         registry = os.environ.get("ELASTIC_KV_REGISTRY_DIR")
         self.record: PoolRecord | None = None
         if registry:
@@ -71,15 +74,29 @@ class Engine:
                 registry_dir=Path(registry),
             )  # fmt: skip
 
-    async def hold_kv(self, nbytes: int) -> int:
-        """Charge ``nbytes`` of KV step by step, waiting while the budget refuses; the bytes charged."""
-        held = 0
-        while self.record is not None and held < nbytes:
+    async def hold_kv(self, held: list[int], nbytes: int) -> None:
+        """Charge ``nbytes`` of KV step by step into ``held[0]``, waiting while limit or budget refuse."""
+        while self.record is not None and held[0] < nbytes:
+            self.follow_limit()
             if self.record.try_charge(KV_STEP):
-                held += KV_STEP
+                held[0] += KV_STEP
             else:
                 await asyncio.sleep(0.05)
-        return held
+
+    def follow_limit(self) -> None:
+        """Under a limit below the pool's charge, give back KV from the newest requests until it fits."""
+        record = self.record
+        if record is None or not record.limit_bytes:
+            return
+        for held in reversed(self.running):
+            over = record.charged_bytes - record.limit_bytes
+            if over <= 0:
+                return
+            back = min(held[0], -(-over // KV_STEP) * KV_STEP)
+            if back:
+                record.uncharge(back)
+                held[0] -= back
+                self.preemptions += 1
 
     def sleep(self, level: int) -> None:
         assert self.weights is not None, "asleep already"
@@ -114,18 +131,31 @@ def build_app(engine: Engine) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/stats")
+    async def stats() -> dict[str, int]:
+        return {"preemptions": engine.preemptions}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
         if engine.weights is None:
             return JSONResponse({"error": {"message": "asleep", "code": 503}}, status_code=503)
         n = int(body.get("max_tokens", 8))
-        held = await engine.hold_kv(int(body.get("kv_bytes", 0)))
+        held = [0]
+        engine.running.append(held)
         try:
-            await asyncio.sleep(n * engine.token_s)
+            want = int(body.get("kv_bytes", 0))
+            await engine.hold_kv(held, want)
+            end = time.monotonic() + n * engine.token_s
+            while time.monotonic() < end:  # "decoding": follow the limit, grow back what was given
+                engine.follow_limit()
+                if held[0] < want and engine.record is not None and engine.record.try_charge(KV_STEP):
+                    held[0] += KV_STEP
+                await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
         finally:
-            if held and engine.record is not None:
-                engine.record.uncharge(held)
+            engine.running.remove(held)
+            if held[0] and engine.record is not None:
+                engine.record.uncharge(held[0])
         assert engine.weights is not None
         text = answer(str(body.get("prompt", "")), engine.weights, n)
         return {"object": "text_completion", "model": body.get("model"),

@@ -18,6 +18,7 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     preload = false             # start every model at start-up; those that do not fit awake go to sleep
     kv_headroom = "5%"          # of the budget: while a model serves and less is left, an idle one sleeps
     pressure_idle_s = 2         # ... once it has been idle this long (its own idle_sleep_s aside)
+    kv_share_min = "2%"         # of the budget: the least KV share a serving model is cut to (else none)
     host_budget = "40%"         # host memory for asleep models' weights (an arena, filled once, shared)
     host_memory = "128G"        # what "40%" is a share of; default: the host's memory
     host_arena_dir = "/dev/shm" # where the arena file lives (a memory file system); default: registry_dir
@@ -127,6 +128,7 @@ class ServerConfig(_Table):
     preload: bool = False
     kv_headroom: Amount = Percent(5.0)
     pressure_idle_s: Seconds = 2.0
+    kv_share_min: Amount = Percent(2.0)
     host_budget: Amount | None = Percent(40.0)
     host_memory: Size | None = None
     host_arena_dir: Path | None = None

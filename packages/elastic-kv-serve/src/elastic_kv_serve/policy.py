@@ -8,6 +8,13 @@ sleep for a model of lower priority, nor while it is pinned or serving requests 
 KV pressure: awake models that serve grow their KV into the budget; when what is left of it falls below the
 server's ``kv_headroom`` while some model serves, the idle model that would go first (same order) sleeps, once
 it has been idle ``pressure_idle_s`` -- busy models get its memory without waiting for its ``idle_sleep_s``.
+
+KV shares: when a model must wake and no idle model can make room (every awake model serves), or two or
+more models serve and the budget is nearly full, the serving models' KV is shared: each of them, and each
+model waiting for room, gets an equal share of the KV room the budget leaves beside the weights and the KV
+of the models that are not shared (idle, pinned), enforced as a pool limit. A model above its share drains
+to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
+waiting for room thus wakes in about the time its neighbours take to drain, not when one of them goes idle.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits", "pressure_victim"]
+__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits", "kv_share", "pressure_victim"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +100,11 @@ def pressure_victim(
         return None
     eligible = [c for c in candidates if not c.pinned and not c.busy and now - c.last_used >= min_idle_s]
     return min(eligible, key=lambda c: (c.priority, c.last_used), default=None)
+
+
+def kv_share(room_bytes: int, claimants: int, floor_bytes: int = 1) -> int:
+    """Each claimant's equal share of ``room_bytes`` of KV (see the module docstring), at least
+    ``floor_bytes`` (a pool limit of 0 would mean none)."""
+    if claimants <= 0:
+        raise ValueError(f"a share needs at least one claimant, got {claimants}")
+    return max(floor_bytes, room_bytes // claimants, 1)

@@ -86,6 +86,7 @@ class ModelRuntime:
     kv_bytes: int = 0
     kv_grew_at: float = -math.inf  # monotonic time its KV was last seen larger than the reading before
     idle_kv_bytes: int = 0  # KV it held when last seen idle: what waking it needs besides its weights
+    kv_limit_bytes: int | None = None  # its KV share, set as its pool's limit while KV is shared
     # Its weights count against the budget: set once room was made for them (before they load), cleared
     # when it sleeps or fails. A model that waits for room is not counted, or two models waking at once
     # would each wait for the room the other one's claim takes.
@@ -167,6 +168,7 @@ class ModelRuntime:
             "idle_sleep_s": self.idle_sleep_s,
             "weights_bytes": self.weights_bytes,
             "kv_bytes": self.kv_bytes,
+            "kv_limit_bytes": self.kv_limit_bytes,
             "footprint_bytes": self.footprint_bytes,
             "in_flight": self.in_flight,
             "queued": self.queued,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from elastic_kv.registry import Registry, RegistryConfig
+from elastic_kv.registry import UNLIMITED, LimitNotFollowedError, Registry, RegistryConfig, UnknownPoolError
 
 from elastic_kv_serve import host, memory, policy
 from elastic_kv_serve.config import ServeConfig
@@ -79,6 +79,10 @@ class Supervisor:
         self.kv_headroom_bytes = (
             headroom if isinstance(headroom, int) else headroom.of(self.budget_bytes or 0)
         )
+        share_min = srv.kv_share_min
+        self.kv_share_min_bytes = (
+            share_min if isinstance(share_min, int) else share_min.of(self.budget_bytes or 0)
+        )
         self.host = host.HostMemory(
             host.resolve_host_budget(srv.host_budget, srv.host_memory),
             srv.host_arena_dir or self.registry.directory,
@@ -98,6 +102,9 @@ class Supervisor:
         self._budget = memory.BudgetKeeper(self.registry)
         self._memory_lock = asyncio.Lock()  # one make-room decision at a time
         self._host_lock = asyncio.Lock()  # one sleep-level decision (and its sleep) at a time
+        self._waiting_room: dict[str, ModelRuntime] = {}  # models waiting for room no idle model can make
+        self._sharing = False  # the serving models' KV is shared now (policy: "KV shares")
+        self._unshareable: set[str] = set()  # models whose pool took no limit (named parts, or refused)
         self._starts = asyncio.Semaphore(srv.start_parallel)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._monitor: asyncio.Task[None] | None = None
@@ -300,6 +307,7 @@ class Supervisor:
             arena = self.host.arena.path if self.host.arena is not None else None
             env = engine_env(rt.config, self.registry.directory, host_arena=arena)
             rt.engine = EngineProcess.spawn(rt.config, rt.sleep_mode, env, self.log_dir)
+            rt.kv_limit_bytes = None  # a new pool starts without a limit
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
                 if rt.sleep_mode == "engine":
@@ -320,34 +328,45 @@ class Supervisor:
         need = rt.weights_bytes + rt.idle_kv_bytes
         async with self._memory_lock:
             rt.has_room = False  # a claim made at start-up is made again here, against what holds now
-            while True:
-                used = self.used_bytes(exclude=rt)
-                candidates = [
-                    policy.Candidate(
-                        o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy
-                    )
-                    for o in self.models.values()
-                    if o is not rt and o.state is State.AWAKE
-                ]
-                victims = policy.choose_victims(
-                    candidates, need_bytes=need, used_bytes=used, budget_bytes=self.budget_bytes,
-                    for_priority=rt.config.priority,
-                )  # fmt: skip
-                if victims is not None:
-                    for victim in victims:
-                        logger.info("model %s sleeps to make room for %s", victim.name, rt.name)
-                        await self._sleep(self.models[victim.name], reason=f"room for {rt.name}")
-                    if not victims or policy.fits(need, self.used_bytes(exclude=rt), self.budget_bytes):
-                        break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise ModelUnavailable(
-                        f"no memory for model {rt.name}: every model holding it is busy or pinned"
-                    )
-                await asyncio.sleep(self.poll_s)
-                await self._refresh_kv()
+            try:
+                await self._make_room_locked(rt, need, deadline)
+            finally:
+                self._waiting_room.pop(rt.name, None)
             # The newcomer's weights leave the budget before it loads, so neighbours' KV cannot take them.
             rt.has_room = True
             self._sync_budget()
+
+    async def _make_room_locked(self, rt: ModelRuntime, need: int, deadline: float | None) -> None:
+        """`_make_room` under the memory lock: sleep victims, or wait (sharing the serving models' KV with
+        ``rt`` while every model that could make room serves)."""
+        while True:
+            used = self.used_bytes(exclude=rt)
+            candidates = [
+                policy.Candidate(
+                    o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy
+                )
+                for o in self.models.values()
+                if o is not rt and o.state is State.AWAKE
+            ]
+            victims = policy.choose_victims(
+                candidates, need_bytes=need, used_bytes=used, budget_bytes=self.budget_bytes,
+                for_priority=rt.config.priority,
+            )  # fmt: skip
+            if victims is not None:
+                for victim in victims:
+                    logger.info("model %s sleeps to make room for %s", victim.name, rt.name)
+                    await self._sleep(self.models[victim.name], reason=f"room for {rt.name}")
+                if not victims or policy.fits(need, self.used_bytes(exclude=rt), self.budget_bytes):
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ModelUnavailable(
+                    f"no memory for model {rt.name}: every model holding it is busy or pinned"
+                )
+            if victims is None and rt.name not in self._waiting_room:
+                self._waiting_room[rt.name] = rt  # the serving models' KV is shared with it
+                await self._share_kv()
+            await asyncio.sleep(self.poll_s)
+            await self._refresh_kv()
 
     async def _sleep(self, rt: ModelRuntime, reason: str) -> None:
         """Put an awake, idle model to sleep: through its engine at the level host memory allows
@@ -460,6 +479,7 @@ class Supervisor:
                     if not rt.lock.locked():
                         self._spawn(self._idle_sleep(rt), f"sleep-{rt.name}")
                 self._relieve_pressure(awake, now)
+                await self._share_kv()
                 self._sync_budget()
             except Exception:
                 logger.exception("monitor step failed")
@@ -498,6 +518,62 @@ class Supervisor:
         if victim is not None and not self.models[victim.name].lock.locked():
             rt = self.models[victim.name]
             self._spawn(self._idle_sleep(rt, "KV room for the models serving"), f"sleep-{rt.name}")
+
+    async def _share_kv(self) -> None:
+        """Set, move or lift the serving models' KV shares (:mod:`.policy`, "KV shares"): while models wait
+        for room, or two or more serve with less than ``kv_headroom`` of the budget left, each serving model
+        and each waiting one gets an equal share of the KV room; sharing ends when no model waits and at most
+        one serves."""
+        budget = self.budget_bytes
+        waiting = list(self._waiting_room.values())
+        top = max((w.config.priority for w in waiting), default=None)
+        shared = [
+            r for r in self.models.values()
+            if r.state is State.AWAKE and r.busy and r.has_room and not r.config.pinned
+            and r.name not in self._unshareable and (top is None or r.config.priority <= top)
+        ]  # fmt: skip
+        if budget is None or (not waiting and len(shared) < 2):
+            self._sharing = False
+        elif waiting or budget - self.used_bytes() < self.kv_headroom_bytes:
+            self._sharing = True
+        limits: dict[str, int] = {}
+        if self._sharing and shared:
+            assert budget is not None
+            weights = sum(r.weights_bytes for r in self.models.values() if r.has_room)
+            fixed = sum(r.kv_bytes for r in self.models.values() if r not in shared)
+            room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
+            share = policy.kv_share(room, len(shared) + len(waiting))
+            # Below kv_share_min a model's own requests may not fit its share (two such models would wait
+            # for each other), below what a model holds idle it makes no room: wait for an idle neighbour.
+            floor = max(self.kv_share_min_bytes, *(r.idle_kv_bytes for r in [*shared, *waiting]))
+            if share >= floor:
+                limits = {r.name: share for r in shared}
+        for rt in self.models.values():
+            want = limits.get(rt.name)
+            have = rt.kv_limit_bytes
+            if want == have or (want and have and abs(want - have) * 32 < have):
+                continue  # unchanged, or moved by less than 1/32: each change may preempt requests
+            await asyncio.to_thread(self._set_kv_limit, rt, want)
+
+    def _set_kv_limit(self, rt: ModelRuntime, limit: int | None) -> None:
+        """Put ``rt``'s KV share on its pool (``None``: lift it)."""
+        try:
+            self.registry.set_limit(rt.config.pool_name, UNLIMITED if limit is None else limit)
+        except UnknownPoolError:
+            if limit is not None:  # no pool of that name: SGLang's hybrid pools come as named parts
+                self._unshareable.add(rt.name)
+            rt.kv_limit_bytes = None
+            return
+        except LimitNotFollowedError as exc:
+            logger.warning("model %s: its KV is not shared: %s", rt.name, exc)
+            self._unshareable.add(rt.name)
+            rt.kv_limit_bytes = None
+            return
+        rt.kv_limit_bytes = limit
+        if limit is None:
+            logger.info("model %s: KV share lifted", rt.name)
+        else:
+            logger.info("model %s: KV share %d bytes (holds %d)", rt.name, limit, rt.kv_bytes)
 
     async def _check_health(self, rt: ModelRuntime) -> None:
         engine = rt.engine
