@@ -11,7 +11,8 @@ room made by putting the least recently used model to sleep at level 1; a second
 full goes to level 2; an asleep engine killed is cleaned up and cold-started; an awake one killed is
 restarted and the requests waiting for it are served; metrics; a shutdown that leaves nothing. Small
 servers of their own cover the wait queue (429, then 503 at the wait's timeout, each with ``Retry-After``),
-``preload``, and KV pressure (a serving model's KV fills the budget: an idle model sleeps for it).
+``preload``, KV pressure (a serving model's KV fills the budget: an idle model sleeps for it), and KV
+shares (a model waking while every neighbour serves gets a share of their KV).
 """
 
 from __future__ import annotations
