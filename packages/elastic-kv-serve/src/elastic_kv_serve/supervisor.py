@@ -105,6 +105,7 @@ class Supervisor:
         self._waiting_room: dict[str, ModelRuntime] = {}  # models waiting for room no idle model can make
         self._sharing = False  # the serving models' KV is shared now (policy: "KV shares")
         self._unshareable: set[str] = set()  # models whose pool took no limit (named parts, or refused)
+        self._share_lock = asyncio.Lock()  # one shares decision at a time (the monitor and waiting wakes)
         self._starts = asyncio.Semaphore(srv.start_parallel)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._monitor: asyncio.Task[None] | None = None
@@ -307,7 +308,8 @@ class Supervisor:
             arena = self.host.arena.path if self.host.arena is not None else None
             env = engine_env(rt.config, self.registry.directory, host_arena=arena)
             rt.engine = EngineProcess.spawn(rt.config, rt.sleep_mode, env, self.log_dir)
-            rt.kv_limit_bytes = None  # a new pool starts without a limit
+            rt.kv_limit_bytes = None  # a new pool starts without a limit, and may take one
+            self._unshareable.discard(rt.name)
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
                 if rt.sleep_mode == "engine":
@@ -524,6 +526,10 @@ class Supervisor:
         for room, or two or more serve with less than ``kv_headroom`` of the budget left, each serving model
         and each waiting one gets an equal share of the KV room; sharing ends when no model waits and at most
         one serves."""
+        async with self._share_lock:
+            await self._share_kv_locked()
+
+    async def _share_kv_locked(self) -> None:
         budget = self.budget_bytes
         waiting = list(self._waiting_room.values())
         top = max((w.config.priority for w in waiting), default=None)
