@@ -156,6 +156,5 @@ def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
     assert kv_share(30 * MiB, 3) == 10 * MiB
     assert kv_share(10, 3) == 3  # whole bytes, rounded down
     assert kv_share(-5 * MiB, 2) == 1  # no room at all: the least limit a pool can have (0 is none)
-    assert kv_share(1 * MiB, 4, floor_bytes=2 * MiB) == 2 * MiB
     with pytest.raises(ValueError, match="at least one claimant"):
         kv_share(MiB, 0)

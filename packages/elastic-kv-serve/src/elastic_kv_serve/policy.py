@@ -102,9 +102,9 @@ def pressure_victim(
     return min(eligible, key=lambda c: (c.priority, c.last_used), default=None)
 
 
-def kv_share(room_bytes: int, claimants: int, floor_bytes: int = 1) -> int:
-    """Each claimant's equal share of ``room_bytes`` of KV (see the module docstring), at least
-    ``floor_bytes`` (a pool limit of 0 would mean none)."""
+def kv_share(room_bytes: int, claimants: int) -> int:
+    """Each claimant's equal share of ``room_bytes`` of KV (see the module docstring), at least 1 byte (a
+    pool limit of 0 would mean none)."""
     if claimants <= 0:
         raise ValueError(f"a share needs at least one claimant, got {claimants}")
-    return max(floor_bytes, room_bytes // claimants, 1)
+    return max(room_bytes // claimants, 1)

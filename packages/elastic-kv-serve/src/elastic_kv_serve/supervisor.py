@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 from elastic_kv.registry import UNLIMITED, LimitNotFollowedError, Registry, RegistryConfig, UnknownPoolError
+from elastic_kv.sizes import Percent
 
 from elastic_kv_serve import host, memory, policy
 from elastic_kv_serve.config import ServeConfig
@@ -65,6 +66,11 @@ class QueueFull(ModelUnavailable):
     """The model already has ``max_queued`` requests waiting (HTTP 429, with ``retry_after_s``)."""
 
 
+def _bytes_of(amount: int | Percent, whole: int) -> int:
+    """An amount of the config in bytes: as given, or its percentage of ``whole``."""
+    return amount if isinstance(amount, int) else amount.of(whole)
+
+
 class Supervisor:
     """Every model of one :class:`ServeConfig` (see the module docstring)."""
 
@@ -75,14 +81,8 @@ class Supervisor:
         self.log_dir = Path(srv.log_dir or tempfile.mkdtemp(prefix="elastic-kv-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = memory.resolve_budget(srv.budget, srv.device_memory)
-        headroom = srv.kv_headroom
-        self.kv_headroom_bytes = (
-            headroom if isinstance(headroom, int) else headroom.of(self.budget_bytes or 0)
-        )
-        share_min = srv.kv_share_min
-        self.kv_share_min_bytes = (
-            share_min if isinstance(share_min, int) else share_min.of(self.budget_bytes or 0)
-        )
+        self.kv_headroom_bytes = _bytes_of(srv.kv_headroom, self.budget_bytes or 0)
+        self.kv_share_min_bytes = _bytes_of(srv.kv_share_min, self.budget_bytes or 0)
         self.host = host.HostMemory(
             host.resolve_host_budget(srv.host_budget, srv.host_memory),
             srv.host_arena_dir or self.registry.directory,
