@@ -212,7 +212,7 @@ def check_device_charged_for_every_rank(llm: Any, registry_dir: Path, pool: str)
         )
 
     assert wait_for(settled)
-    # The readings that settled: read again, a rank's reserve may have moved in between.
+    # Assert on the readings that settled: a second reading could see a rank's reserve move.
     device, infos = seen["device"], seen["infos"]
     assert device.device == "cpu" and device.pools == (pool,)
     assert device.charged_bytes == len(infos) * infos[0]["mapped_bytes"] > 0
