@@ -322,3 +322,134 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
         assert len(pools) == 3 and all(p.limit_bytes == 0 for p in pools), pools
     finally:
         srv.stop()
+
+
+def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
+    """Three models of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a token;
+    a model may be suspended once awake 1 s and takes its turn back after 3 s suspended."""
+
+    def toy(name: str, seed: int) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M")
+        model["command"] += ["--token-ms", "250", *(["--refuse-keep"] if refuse_keep else [])]
+        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    return ServeProcess(
+        tmp_path / "serve",
+        {"budget": "35M", "host_budget": "40M", "min_awake_s": 1, "max_suspend_s": 3,
+         "wake_timeout_s": 120},
+        [toy("a", 1), toy("b", 2), toy("c", 3)],
+    )  # fmt: skip
+
+
+def _ask_timed(srv: ServeProcess, model: str, n: int, done: dict[str, float]) -> httpx.Response:
+    body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": 2 * MiB}
+    reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+    done[model] = time.monotonic()
+    return reply
+
+
+def _wait_serving(srv: ServeProcess, models: str, timeout_s: float = 30) -> None:
+    """Until each of ``models`` has a request running that holds its KV."""
+    deadline = time.monotonic() + timeout_s
+    while not all(m["in_flight"] and m["kv_bytes"] >= 2 * MiB for m in map(srv.status().get, models)):
+        assert time.monotonic() < deadline, srv.status()
+        time.sleep(0.1)
+
+
+def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp_path: Path) -> None:
+    """``a`` and ``b`` serve 10 s requests and fill the budget; a request to ``c`` suspends ``a`` (awake
+    longest) instead of waiting for either to finish. ``a`` keeps its request in its engine, gives its KV
+    back and, 3 s later, takes its turn back from ``b`` (the one awake since before ``a`` was suspended).
+    Every answer is the one each model's weights give, and no model is left suspended."""
+    (tmp_path / "serve").mkdir()
+    srv = _turns_server(tmp_path)
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+        done: dict[str, float] = {}
+        with ThreadPoolExecutor(3) as pool:
+            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
+            _wait_serving(srv, "ab")
+            time.sleep(1.0)  # both awake past min_awake_s
+            t0 = time.monotonic()
+            third = pool.submit(_ask_timed, srv, "c", 40, done)
+            srv.wait_for({"c": "awake"}, timeout_s=30)
+            woke_s = time.monotonic() - t0
+            status = srv.status()
+            assert status["a"]["state"] == "asleep" and status["a"]["suspended"], status["a"]
+            assert not any(f.done() for f in first.values()), "a request ended before c woke"
+            assert woke_s < 8.0, f"c waited {woke_s:.1f} s: for a request to end, not for a suspension"
+            (suspend,) = _transitions(status, "a", "suspend")
+            assert suspend["level"] == "1" and status["a"]["in_flight"] == 1
+            assert status["a"]["kv_bytes"] < 2 * MiB, "the suspended engine kept its requests' KV"
+            replies = {m: f.result(timeout=120) for m, f in [*first.items(), ("c", third)]}
+        for m, reply in replies.items():
+            assert _text(reply) == _expected(tmp_path, m, m, 40)
+        status = srv.status()
+        assert [t["kind"] for t in status["a"]["transitions"]][-2:] == ["suspend", "resume"]
+        assert _transitions(status, "b", "suspend"), "a did not take its turn back from b"
+        assert not any(m["suspended"] for m in status.values())
+        stats = httpx.get(f"http://127.0.0.1:{status['a']['port']}/stats", timeout=10).json()
+        assert stats["suspended"] >= 1 and stats["preemptions"] >= 1, stats
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert f'elastic_kv_serve_model_suspends_total{{model="a"}} {status["a"]["suspends"]:.1f}' in metrics
+        assert 'elastic_kv_serve_model_suspended{model="a"} 0.0' in metrics
+    finally:
+        srv.stop()
+
+
+def test_an_engine_that_refuses_a_suspension_keeps_serving(tmp_path: Path) -> None:
+    """The same three models, but their engines answer a keep-mode sleep with 409: ``a`` is woken again if
+    needed and keeps serving, is not asked again, and ``c`` waits for a request to end; nothing is lost."""
+    (tmp_path / "serve").mkdir()
+    srv = _turns_server(tmp_path, refuse_keep=True)
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+        pids = {n: m["pid"] for n, m in srv.status().items()}
+        done: dict[str, float] = {}
+        with ThreadPoolExecutor(3) as pool:
+            first = {m: pool.submit(_ask_timed, srv, m, 16, done) for m in "ab"}
+            _wait_serving(srv, "ab")
+            time.sleep(1.0)
+            third = pool.submit(_ask_timed, srv, "c", 4, done)
+            replies = {m: f.result(timeout=120) for m, f in [*first.items(), ("c", third)]}
+        for m, reply in replies.items():
+            assert _text(reply) == _expected(tmp_path, m, m, 16 if m in "ab" else 4)
+        assert done["c"] > min(done["a"], done["b"]), "c was served before a neighbour's request ended"
+        status = srv.status()
+        assert not any(_transitions(status, n, "suspend") for n in "abc")
+        assert status["a"]["pid"] == pids["a"] and status["b"]["pid"] == pids["b"]  # not restarted
+        assert "was not suspended" in srv.log_tail(200)
+    finally:
+        srv.stop()
+
+
+def test_a_suspended_engine_that_dies_fails_its_request_and_is_started_again(tmp_path: Path) -> None:
+    """``a`` is suspended for ``c`` and then killed: its kept request gets an error, its pool record and
+    arena extent are given back, and its next request cold-starts it; the others are unaffected."""
+    (tmp_path / "serve").mkdir()
+    srv = _turns_server(tmp_path)
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+        done: dict[str, float] = {}
+        with ThreadPoolExecutor(3) as pool:
+            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
+            _wait_serving(srv, "ab")
+            time.sleep(1.0)
+            third = pool.submit(_ask_timed, srv, "c", 8, done)
+            srv.wait_for({"c": "awake"}, timeout_s=30)
+            status = srv.status()
+            assert status["a"]["suspended"] and status["a"]["host_bytes"] == 10 * MiB, status["a"]
+            os.kill(status["a"]["pid"], signal.SIGKILL)
+            lost = first["a"].result(timeout=60)
+            assert lost.status_code >= 500, lost.text
+            deadline = time.monotonic() + 30
+            while (a := srv.status()["a"])["pid"] is not None or a["host_bytes"] or a["suspended"]:
+                assert time.monotonic() < deadline, a
+                time.sleep(0.2)
+            assert _text(first["b"].result(timeout=120)) == _expected(tmp_path, "b", "b", 40)
+            assert _text(third.result(timeout=120)) == _expected(tmp_path, "c", "c", 8)
+        assert _text(_ask(srv, "a", "again")) == _expected(tmp_path, "a", "again")
+        assert _transitions(srv.status(), "a", "wake")[-1]["level"] == "cold"
+    finally:
+        srv.stop()

@@ -7,7 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_kv_serve.policy import Candidate, choose_victims, due_to_sleep, fits, kv_share, pressure_victim
+from elastic_kv_serve.policy import (
+    Candidate,
+    choose_suspensions,
+    choose_victims,
+    due_to_sleep,
+    fits,
+    kv_share,
+    pressure_victim,
+)
 
 MiB = 1 << 20
 
@@ -158,3 +166,34 @@ def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
     assert kv_share(-5 * MiB, 2) == 1  # no room at all: the least limit a pool can have (0 is none)
     with pytest.raises(ValueError, match="at least one claimant"):
         kv_share(MiB, 0)
+
+
+def _serving(name: str, prio: int, awake_since: float, **kw: object) -> Candidate:
+    return _c(name, prio, 0.0, 40, busy=True, suspendable=True, awake_since=awake_since, **kw)
+
+
+def test_suspensions_take_the_lowest_priority_then_the_model_awake_longest() -> None:
+    models = [_serving("hi-old", 5, 1.0), _serving("lo-new", 0, 8.0), _serving("lo-old", 0, 2.0)]
+    room = {"used_bytes": 120 * MiB, "budget_bytes": 130 * MiB, "for_priority": 5, "awake_before": 9.0}
+    assert [v.name for v in choose_suspensions(models, need_bytes=40 * MiB, **room) or []] == ["lo-old"]
+    assert [v.name for v in choose_suspensions(models, need_bytes=80 * MiB, **room) or []] == [
+        "lo-old",
+        "lo-new",
+    ]
+    assert choose_suspensions(models, need_bytes=10 * MiB, **room) == []  # it fits: nobody goes
+    assert choose_suspensions(models, need_bytes=500 * MiB, **room) is None
+
+
+def test_only_serving_suspendable_models_awake_long_enough_are_suspended() -> None:
+    models = [
+        _serving("young", 0, 5.0),  # awake after awake_before
+        _serving("pinned", 0, 1.0, pinned=True),
+        _serving("vip", 9, 1.0),  # a higher priority than the model waiting
+        _c("idle", 0, 0.0, 40, suspendable=True, awake_since=1.0),  # idle: it sleeps, not suspends
+        _c("cannot", 0, 0.0, 40, busy=True, awake_since=1.0),  # its engine cannot keep requests
+        _serving("eligible", 0, 4.0),
+    ]
+    room = {"used_bytes": 240 * MiB, "budget_bytes": 250 * MiB, "for_priority": 0}
+    chosen = choose_suspensions(models, need_bytes=40 * MiB, awake_before=4.5, **room)
+    assert [v.name for v in chosen or []] == ["eligible"]
+    assert choose_suspensions(models, need_bytes=40 * MiB, awake_before=3.0, **room) is None

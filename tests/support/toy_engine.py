@@ -16,7 +16,11 @@ elastic engine's pool grows page by page; under a pool limit below its charge th
 back until the pool fits, as an engine preempts, and grow again while they run),
 ``POST /sleep?level=1`` (the weights into an extent of the host arena named by ``ELASTIC_KV_HOST_ARENA``,
 owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropped), ``POST
-/wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``).
+/wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``; an awake
+engine stays as it is). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
+their KV back (preempted) and pause while it sleeps, then grow it again and finish after the wake-up;
+``--refuse-keep`` answers such a sleep with 409 and stays awake. ``GET /stats``: preemptions, and the
+requests suspended by a sleep.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class Engine:
         self.model = model
         self.token_s = token_s
         self.weights: bytes | None = (model / WEIGHTS).read_bytes()
+        self.awake = asyncio.Event()
+        self.awake.set()
+        self.suspended = 0  # requests that were running when a keep-mode sleep came
         path = os.environ.get("ELASTIC_KV_HOST_ARENA")
         self.arena = HostArena.open(Path(path)) if path else None
         self.owner = os.environ.get("ELASTIC_KV_POOL_NAME", "toy")
@@ -77,6 +84,7 @@ class Engine:
     async def hold_kv(self, held: list[int], nbytes: int) -> None:
         """Charge ``nbytes`` of KV step by step into ``held[0]``, waiting while limit or budget refuse."""
         while self.record is not None and held[0] < nbytes:
+            await self.awake.wait()  # a suspended request charges nothing while the engine sleeps
             self.follow_limit()
             if self.record.try_charge(KV_STEP):
                 held[0] += KV_STEP
@@ -98,8 +106,18 @@ class Engine:
                 held[0] -= back
                 self.preemptions += 1
 
+    def preempt_all(self) -> None:
+        """Every running request gives its KV back (it grows it again once the engine wakes)."""
+        for held in self.running:
+            if held[0] and self.record is not None:
+                self.record.uncharge(held[0])
+                held[0] = 0
+                self.preemptions += 1
+            self.suspended += 1
+
     def sleep(self, level: int) -> None:
         assert self.weights is not None, "asleep already"
+        self.awake.clear()
         if level == 1:
             if self.arena is None:
                 raise RuntimeError("level 1 needs a host arena")
@@ -112,7 +130,9 @@ class Engine:
         self.level = level
 
     def wake(self, level: int) -> None:
-        assert self.weights is None and level == self.level, (level, self.level)
+        if self.weights is not None:
+            return  # awake already
+        assert level == self.level, (level, self.level)
         if level == 1:
             assert self.arena is not None and self.extent is not None
             size = (self.model / WEIGHTS).stat().st_size
@@ -122,9 +142,10 @@ class Engine:
         else:
             self.weights = (self.model / WEIGHTS).read_bytes()
         self.level = 0
+        self.awake.set()
 
 
-def build_app(engine: Engine) -> FastAPI:
+def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
     app = FastAPI()
 
     @app.get("/health")
@@ -133,7 +154,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict[str, int]:
-        return {"preemptions": engine.preemptions}
+        return {"preemptions": engine.preemptions, "suspended": engine.suspended}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -146,12 +167,17 @@ def build_app(engine: Engine) -> FastAPI:
         try:
             want = int(body.get("kv_bytes", 0))
             await engine.hold_kv(held, want)
-            end = time.monotonic() + n * engine.token_s
-            while time.monotonic() < end:  # "decoding": follow the limit, grow back what was given
+            left = n * engine.token_s  # seconds of "decoding" left; none passes while the engine sleeps
+            while left > 0:  # follow the limit, grow back what was given
+                if not engine.awake.is_set():
+                    await engine.awake.wait()
                 engine.follow_limit()
                 if held[0] < want and engine.record is not None and engine.record.try_charge(KV_STEP):
                     held[0] += KV_STEP
-                await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
+                t0 = time.monotonic()
+                await asyncio.sleep(min(0.05, left))
+                if engine.awake.is_set():
+                    left -= time.monotonic() - t0
         finally:
             engine.running.remove(held)
             if held[0] and engine.record is not None:
@@ -162,7 +188,11 @@ def build_app(engine: Engine) -> FastAPI:
                 "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}  # fmt: skip
 
     @app.post("/sleep")
-    async def sleep(level: int = 1) -> dict[str, int]:
+    async def sleep(level: int = 1, mode: str = "abort") -> Any:
+        if mode == "keep":
+            if refuse_keep:
+                return JSONResponse({"error": "this engine cannot keep requests asleep"}, status_code=409)
+            engine.preempt_all()
         engine.sleep(level)
         return {"level": level}
 
@@ -180,10 +210,12 @@ def main() -> None:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--start-delay", type=float, default=0.0, help="seconds before it serves")
     p.add_argument("--token-ms", type=float, default=0.0, help="milliseconds per generated token")
+    p.add_argument("--refuse-keep", action="store_true", help="answer a keep-mode sleep with 409")
     args = p.parse_args()
     time.sleep(args.start_delay)
     engine = Engine(args.model, args.token_ms / 1000)
-    uvicorn.run(build_app(engine), host="127.0.0.1", port=args.port, log_level="warning")
+    app = build_app(engine, args.refuse_keep)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def render_status(doc: dict[str, Any]) -> str:
 
         last = "-" if m["last_used"] is None else _ago(m["last_used"])
         rows.append(
-            [m["name"], m["engine"], m["state"], m["sleep_mode"], str(m["pid"] or "-"),
+            [m["name"], m["engine"], "suspended" if m["suspended"] else m["state"], m["sleep_mode"],
+             str(m["pid"] or "-"),
              format_bytes(m["weights_bytes"]), format_bytes(m["kv_bytes"]), str(m["in_flight"]),
              str(m["queued"]), str(m["wakes"]), secs(m["wake_p50_s"]), secs(m["wake_p99_s"]), last]
         )  # fmt: skip

@@ -19,6 +19,9 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     kv_headroom = "5%"          # of the budget: while a model serves and less is left, an idle one sleeps
     pressure_idle_s = 2         # ... once it has been idle this long (its own idle_sleep_s aside)
     kv_share_min = "2%"         # of the budget: the least KV share a serving model is cut to (else none)
+    suspend_busy = true         # more models serve than fit: a waking model may suspend a serving one
+    min_awake_s = 5             # ... awake at least this long (its requests resume when it wakes again)
+    max_suspend_s = 30          # a suspended model waits this long for room, then suspends one in turn
     host_budget = "40%"         # host memory for asleep models' weights (an arena, filled once, shared)
     host_memory = "128G"        # what "40%" is a share of; default: the host's memory
     host_arena_dir = "/dev/shm" # where the arena file lives (a memory file system); default: registry_dir
@@ -41,8 +44,10 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     model = "/path"             # substituted for {model}
     command = ["my-server", "--port", "{port}", "--model", "{model}"]   # {port} is required
     health_path = "/health"     # answers 200 once it serves
-    sleep_path = "/sleep?level={level}"   # optional, with wake_path: sleep through the engine's API
-    wake_path = "/wake_up?level={level}"  # (without them, sleeping stops the process)
+    sleep_path = "/sleep?level={level}&mode={mode}"   # optional, with wake_path: sleep through the
+    wake_path = "/wake_up?level={level}"  # engine's API (without them, sleeping stops the process);
+                                          # {mode} (optional): "keep" (requests in flight resume after
+                                          # the wake: the model can be suspended) or "abort"
 
 Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with one line that names the key
 (``models[1].idle_sleep_s: ...``). The tables are pydantic models with ``extra="forbid"`` and strict types.
@@ -129,6 +134,9 @@ class ServerConfig(_Table):
     kv_headroom: Amount = Percent(5.0)
     pressure_idle_s: Seconds = 2.0
     kv_share_min: Amount = Percent(2.0)
+    suspend_busy: bool = True
+    min_awake_s: Seconds = 5.0
+    max_suspend_s: PositiveSeconds = 30.0
     host_budget: Amount | None = Percent(40.0)
     host_memory: Size | None = None
     host_arena_dir: Path | None = None

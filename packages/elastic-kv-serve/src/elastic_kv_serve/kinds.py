@@ -8,16 +8,18 @@ One :class:`EngineKind` per ``engine`` value of the config:
   in host memory (the host arena, through the plugin's sleep-mode backend), ``POST /wake_up`` brings them
   back. Level 2: ``POST /sleep?level=2`` drops them; waking is vLLM's documented sequence ``/wake_up?tags=
   weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint: not for ``--load-format dummy``,
-  whose sleeps are level 1 or a stop), ``/wake_up?tags=kv_cache``. Once
-  it serves, ``/collective_rpc`` ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no
-  sleep pays for pinning.
+  whose sleeps are level 1 or a stop), ``/wake_up?tags=kv_cache``. Once it serves, ``/collective_rpc``
+  ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no sleep pays for pinning. A
+  suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler, preempts the running
+  requests (their KV is freed with the rest) and keeps them queued; the wake resumes the scheduler, which
+  recomputes them.
 * ``sglang`` -- ``python -m sglang.launch_server``; sleeps where CUDA and ``torch_memory_saver`` are there
   (``--enable-memory-saver``): ``/release_memory_occupation`` and ``/resume_memory_occupation``, level 1
   only, host memory counted as its weights (SGLang keeps them itself, outside the arena).
 * ``command`` -- any OpenAI-compatible server the config starts with ``command`` (``{port}`` and
   ``{model}`` substituted); it sleeps through ``sleep_path`` / ``wake_path`` (``{level}`` substituted:
   levels 1 and 2) when both are given, and its level-1 copies are expected in the arena it finds in
-  ``ELASTIC_KV_HOST_ARENA``.
+  ``ELASTIC_KV_HOST_ARENA``. A ``sleep_path`` with ``{mode}`` (``keep`` or ``abort``) can be suspended.
 
 Where an engine cannot sleep through its API, sleeping stops its process (``stop`` mode) and waking
 cold-starts it.
@@ -101,7 +103,14 @@ class EngineKind:
     async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
         """Once the engine answers its health check (before it serves)."""
 
-    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+    def can_suspend(self, model: ModelConfig) -> bool:
+        """Whether ``model``'s engine can sleep while it serves, keeping its requests for its wake."""
+        return False
+
+    async def sleep(
+        self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
+    ) -> None:
+        """Sleep at ``level``; ``keep`` (where :meth:`can_suspend`): requests in flight resume on wake-up."""
         raise NotImplementedError
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
@@ -135,8 +144,13 @@ class VllmKind(EngineKind):
         if arena:
             await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_pin_host"})
 
-    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
-        await _post(client, f"{url}/sleep?level={level}")
+    def can_suspend(self, model: ModelConfig) -> bool:
+        return True
+
+    async def sleep(
+        self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
+    ) -> None:
+        await _post(client, f"{url}/sleep?level={level}" + ("&mode=keep" if keep else ""))
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
         if level == 1:
@@ -170,7 +184,9 @@ class SglangKind(EngineKind):
             return "stop"
         return super().probe(model, env, timeout_s)
 
-    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+    async def sleep(
+        self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
+    ) -> None:
         await _post(client, f"{url}/release_memory_occupation", {})
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
@@ -198,9 +214,15 @@ class CommandKind(EngineKind):
     def health_path(self, model: ModelConfig) -> str:
         return model.health_path
 
-    async def sleep(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
+    def can_suspend(self, model: ModelConfig) -> bool:
+        return model.sleep_path is not None and "{mode}" in model.sleep_path
+
+    async def sleep(
+        self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
+    ) -> None:
         assert model.sleep_path is not None
-        await _post(client, url + model.sleep_path.replace("{level}", str(level)))
+        path = model.sleep_path.replace("{level}", str(level)).replace("{mode}", "keep" if keep else "abort")
+        await _post(client, url + path)
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
         assert model.wake_path is not None

@@ -18,7 +18,9 @@ State metrics (read from the supervisor at each scrape)::
     elastic_kv_serve_model_kv_bytes{model}                     KV backed now (the pool records)
     elastic_kv_serve_model_host_bytes{model}                   host memory its asleep weights take
     elastic_kv_serve_model_wakes_total{model}                  wakes on demand
-    elastic_kv_serve_model_sleeps_total{model}                 sleeps (idle or to make room)
+    elastic_kv_serve_model_sleeps_total{model}                 sleeps (idle, to make room, or suspended)
+    elastic_kv_serve_model_suspends_total{model}               sleeps while serving (requests kept)
+    elastic_kv_serve_model_suspended{model}                    1 while suspended
     elastic_kv_serve_budget_bytes / elastic_kv_serve_used_bytes    the budget and what awake models use
     elastic_kv_serve_host_budget_bytes / _host_used_bytes      the host budget and what asleep weights use
 """
@@ -62,11 +64,16 @@ class _StateCollector(Collector):
                 ("weights_bytes", "weights of the model"),
                 ("kv_bytes", "KV cache bytes backed now"),
                 ("host_bytes", "host memory the asleep weights take"),
+                ("suspended", "1 while asleep with its requests kept in its engine"),
             )
         }
         counters = {
             key: CounterMetricFamily(f"elastic_kv_serve_model_{key}", help_, labels=["model"])
-            for key, help_ in (("wakes", "wakes on demand"), ("sleeps", "sleeps"))
+            for key, help_ in (
+                ("wakes", "wakes on demand"),
+                ("sleeps", "sleeps"),
+                ("suspends", "sleeps while serving, its requests kept"),
+            )
         }
         for rt in sup.models.values():
             for s in State:
@@ -76,8 +83,10 @@ class _StateCollector(Collector):
             gauges["weights_bytes"].add_metric([rt.name], rt.weights_bytes)
             gauges["kv_bytes"].add_metric([rt.name], rt.kv_bytes)
             gauges["host_bytes"].add_metric([rt.name], rt.host_bytes)
+            gauges["suspended"].add_metric([rt.name], 1.0 if rt.suspended else 0.0)
             counters["wakes"].add_metric([rt.name], rt.wakes)
             counters["sleeps"].add_metric([rt.name], rt.sleeps)
+            counters["suspends"].add_metric([rt.name], rt.suspends)
         yield state
         yield from gauges.values()
         yield from counters.values()

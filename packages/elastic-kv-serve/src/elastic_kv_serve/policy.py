@@ -15,6 +15,14 @@ model waiting for room, gets an equal share of the KV room the budget leaves bes
 of the models that are not shared (idle, pinned), enforced as a pool limit. A model above its share drains
 to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
 waiting for room thus wakes in about the time its neighbours take to drain, not when one of them goes idle.
+
+Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
+its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
+engines, which resume them when they wake. Only a model awake for some time (``awake_before``) is suspended,
+lowest priority first, then the one awake longest, never a pinned one, one of higher priority, or one whose
+engine cannot keep its requests asleep. A suspended model wakes again once room is free, or once it has
+waited long enough to suspend in turn a model that was awake before it was suspended: serving models take
+turns, each awake for at least the minimum, and none waits without end.
 """
 
 from __future__ import annotations
@@ -22,7 +30,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "choose_victims", "due_to_sleep", "fits", "kv_share", "pressure_victim"]
+__all__ = [
+    "Candidate",
+    "choose_suspensions",
+    "choose_victims",
+    "due_to_sleep",
+    "fits",
+    "kv_share",
+    "pressure_victim",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +52,8 @@ class Candidate:
     pinned: bool = False
     busy: bool = False  # requests in flight or queued
     idle_sleep_s: float = 0.0  # 0 = never sleeps when idle
+    awake_since: float = 0.0  # monotonic seconds it last became awake
+    suspendable: bool = False  # its engine can sleep while serving, keeping its requests
 
 
 def fits(need_bytes: int, used_bytes: int, budget_bytes: int | None) -> bool:
@@ -57,20 +75,50 @@ def choose_victims(
     caller waits for models to become idle, or gives up). Eligible: not pinned, not busy, priority at most
     ``for_priority``. Order: lowest priority first, then least recently used.
     """
-    if fits(need_bytes, used_bytes, budget_bytes):
-        return []
-    assert budget_bytes is not None
     eligible = sorted(
         (c for c in candidates if not c.pinned and not c.busy and c.priority <= for_priority),
         key=lambda c: (c.priority, c.last_used),
     )
-    chosen: list[Candidate] = []
+    return _until_fits(eligible, need_bytes, used_bytes, budget_bytes)
+
+
+def choose_suspensions(
+    candidates: Iterable[Candidate],
+    *,
+    need_bytes: int,
+    used_bytes: int,
+    budget_bytes: int | None,
+    for_priority: int,
+    awake_before: float,
+) -> list[Candidate] | None:
+    """The serving models to suspend so that ``need_bytes`` fit (see the module docstring), in order.
+
+    ``[]`` when it fits already; ``None`` when suspending every eligible model would not make room.
+    Eligible: busy, suspendable, not pinned, priority at most ``for_priority``, awake since
+    ``awake_before`` or earlier. Order: lowest priority first, then awake longest."""
+    eligible = sorted(
+        (
+            c
+            for c in candidates
+            if c.busy and c.suspendable and not c.pinned and c.priority <= for_priority
+            and c.awake_since <= awake_before
+        ),
+        key=lambda c: (c.priority, c.awake_since),
+    )  # fmt: skip
+    return _until_fits(eligible, need_bytes, used_bytes, budget_bytes)
+
+
+def _until_fits(
+    ordered: list[Candidate], need_bytes: int, used_bytes: int, budget_bytes: int | None
+) -> list[Candidate] | None:
+    """The shortest head of ``ordered`` whose footprints make room for ``need_bytes`` (``[]``: it fits
+    already; ``None``: all of them would not)."""
     used = used_bytes
-    for victim in eligible:
-        chosen.append(victim)
-        used -= victim.footprint_bytes
+    for taken in range(len(ordered) + 1):
         if fits(need_bytes, used, budget_bytes):
-            return chosen
+            return ordered[:taken]
+        if taken < len(ordered):
+            used -= ordered[taken].footprint_bytes
     return None
 
 

@@ -9,7 +9,9 @@ States::
     awake      serving: requests are forwarded to its engine
     sleeping   going to sleep (its engine's sleep API at level 1 or 2, or stopping its process)
     asleep     not serving; a request wakes it (level 1: weights copied back from host memory; level 2:
-               reloaded from the checkpoint) or cold-starts it (its process was stopped, or died)
+               reloaded from the checkpoint) or cold-starts it (its process was stopped, or died).
+               *Suspended* (``suspended``): put to sleep while it served, to make room for another model;
+               its engine keeps the requests it was serving, which resume once it wakes
     waking     waking up for a request (or making room first)
     failed     its engine died or could not start; restarted with back-off, requests wait for it
     stopped    the server is shutting down or gave up restarting it; requests get 503
@@ -58,7 +60,7 @@ def quantile(values: list[float], q: float) -> float | None:
 class Transition:
     """One start, wake or sleep of a model, as ``/status`` lists it."""
 
-    kind: str  # "start", "wake" or "sleep"
+    kind: str  # "start", "wake", "sleep", "suspend" (a sleep while serving) or "resume" (its wake)
     level: str  # "1" or "2" (through the engine's API), "cold" (a process started), "stop"
     seconds: float  # the whole transition, as the request that waited for it saw it
     room_seconds: float  # of which: putting other models to sleep to make room (wakes and starts)
@@ -103,6 +105,11 @@ class ModelRuntime:
     sleep_level: int | None = None
     host_bytes: int = 0  # host memory its asleep weights take (read from the host arena)
     host_need_bytes: int = 0  # what its last level-1 sleep took of the arena (0: not measured yet)
+    awake_since: float = math.inf  # monotonic time it last became awake (inf: not awake yet)
+    # Suspended: asleep with the requests it was serving kept in its engine (they resume when it wakes).
+    suspended: bool = False
+    suspended_since: float = math.inf  # monotonic time of its suspension
+    suspends: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -140,12 +147,14 @@ class ModelRuntime:
     def record(self, kind: str, level: str, seconds: float, room_seconds: float = 0.0) -> None:
         """Remember one transition (``/status`` shows them; wake and sleep times feed the quantiles)."""
         self.transitions.append(Transition(kind, level, seconds, room_seconds, time.time()))
-        if kind == "wake":
+        if kind in ("wake", "resume"):
             self.wakes += 1
             self.wake_seconds.append(seconds)
-        elif kind == "sleep":
+        elif kind in ("sleep", "suspend"):
             self.sleeps += 1
             self.sleep_seconds.append(seconds)
+        if kind == "suspend":
+            self.suspends += 1
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -181,6 +190,8 @@ class ModelRuntime:
             "sleep_p50_s": quantile(sleeps, 0.5),
             "sleep_p99_s": quantile(sleeps, 0.99),
             "sleep_level": self.sleep_level,
+            "suspended": self.suspended,
+            "suspends": self.suspends,
             "host_bytes": self.host_bytes,
             "transitions": [t.as_dict() for t in self.transitions],
             "error": self.error,

@@ -13,6 +13,12 @@ put to sleep first (:func:`elastic_kv_serve.policy.choose_victims`), and while n
 waits for one to become idle. The device's KV budget is kept at *budget - weights of the models that
 have room*, so a busy neighbour's KV never grows into room made for a model that is still loading.
 
+More models serving than fit (``[server] suspend_busy``): when no idle model can make room and a KV share
+would fall below its floor, the waking model suspends serving ones (awake at least ``min_awake_s``): they
+sleep with their requests kept in their engines (:meth:`EngineKind.can_suspend`). A suspended model wakes
+again once room is free, or, after ``max_suspend_s``, by suspending in turn a model awake since before its
+own suspension (:func:`elastic_kv_serve.policy.choose_suspensions`); a wake for new requests goes first.
+
 Host memory: asleep weights stay within ``[server] host_budget`` (:mod:`elastic_kv_serve.host`): each sleep
 is level 1 while the host arena has room for the model's weights, else level 2, else a stop.
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -64,6 +71,10 @@ class ModelUnavailable(RuntimeError):
 
 class QueueFull(ModelUnavailable):
     """The model already has ``max_queued`` requests waiting (HTTP 429, with ``retry_after_s``)."""
+
+
+class _NoRoomYet(Exception):
+    """A suspended model's wake found no room at once; it stays suspended and is tried again later."""
 
 
 def _bytes_of(amount: int | Percent, whole: int) -> int:
@@ -105,6 +116,7 @@ class Supervisor:
         self._waiting_room: dict[str, ModelRuntime] = {}  # models waiting for room no idle model can make
         self._sharing = False  # the serving models' KV is shared now (policy: "KV shares")
         self._unshareable: set[str] = set()  # models whose pool took no limit (named parts, or refused)
+        self._unsuspendable: set[str] = set()  # models whose engine refused a suspension (until a new start)
         self._share_lock = asyncio.Lock()  # one shares decision at a time (the monitor and waiting wakes)
         self._starts = asyncio.Semaphore(srv.start_parallel)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -260,9 +272,12 @@ class Supervisor:
         """Weights of awake models plus every model's KV (what the budget covers)."""
         return sum(rt.footprint_bytes for rt in self.models.values() if rt is not exclude)
 
-    async def _bring_up(self, rt: ModelRuntime, state: State, deadline: float | None) -> None:
+    async def _bring_up(
+        self, rt: ModelRuntime, state: State, deadline: float | None, wait: bool = True
+    ) -> None:
         """Start (``STARTING``) or wake (``WAKING``) ``rt``: make room, then wake its engine or cold-start it.
-        Failures set ``FAILED`` and schedule a restart with back-off."""
+        Failures set ``FAILED`` and schedule a restart with back-off. ``wait=False`` (a suspended model's
+        wake that no request waits for): only if room can be made at once, else it stays asleep."""
         t0 = time.monotonic()
         async with rt.lock:
             if rt.state is State.AWAKE or self.closing:
@@ -270,7 +285,7 @@ class Supervisor:
             rt.set_state(state)
             level = "cold"
             try:
-                await self._make_room(rt, deadline)
+                await self._make_room(rt, deadline, wait)
                 room_s = time.monotonic() - t0
                 engine = rt.engine
                 if engine is not None and engine.alive() and rt.sleep_level is not None:
@@ -283,17 +298,22 @@ class Supervisor:
                 self._sync_budget()
                 rt.set_state(State.ASLEEP, str(exc))
                 return
+            except _NoRoomYet:
+                rt.set_state(State.ASLEEP)
+                return
             except (EngineStartError, httpx.HTTPError) as exc:
                 await self._failed(rt, f"{type(exc).__name__}: {exc}".splitlines()[0])
                 return
             took = time.monotonic() - t0
-            kind = "wake" if state is State.WAKING else "start"
+            kind = "start" if state is State.STARTING else "resume" if rt.suspended else "wake"
             rt.record(kind, level, took, room_s)
-            if kind == "wake":
+            if kind != "start":
                 self.metrics.wake_seconds.labels(rt.name, rt.sleep_mode, level).observe(took)
             rt.sleep_level = None
+            rt.suspended = False
             rt.failures = 0
             rt.touch()
+            rt.awake_since = time.monotonic()
             rt.set_state(State.AWAKE)
             await self._refresh_host()
             self._sync_budget()
@@ -309,7 +329,9 @@ class Supervisor:
             env = engine_env(rt.config, self.registry.directory, host_arena=arena)
             rt.engine = EngineProcess.spawn(rt.config, rt.sleep_mode, env, self.log_dir)
             rt.kv_limit_bytes = None  # a new pool starts without a limit, and may take one
+            rt.suspended = False  # a new process: whatever the old one kept is gone
             self._unshareable.discard(rt.name)
+            self._unsuspendable.discard(rt.name)
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
                 if rt.sleep_mode == "engine":
@@ -324,32 +346,31 @@ class Supervisor:
         await asyncio.to_thread(self.registry.reclaim)
         await asyncio.to_thread(self.host.reclaim_dead)
 
-    async def _make_room(self, rt: ModelRuntime, deadline: float | None) -> None:
-        """Put idle models to sleep until ``rt``'s weights and idle KV fit the budget; wait for models to
-        become idle while none can go; ``ModelUnavailable`` at the deadline."""
+    async def _make_room(self, rt: ModelRuntime, deadline: float | None, wait: bool = True) -> None:
+        """Put idle models to sleep (or suspend serving ones) until ``rt``'s weights and idle KV fit the
+        budget; wait for models to become idle while none can go; ``ModelUnavailable`` at the deadline.
+        ``wait=False``: :class:`_NoRoomYet` instead of waiting (also while another model makes room)."""
         need = rt.weights_bytes + rt.idle_kv_bytes
+        if not wait and self._memory_lock.locked():
+            raise _NoRoomYet
         async with self._memory_lock:
             rt.has_room = False  # a claim made at start-up is made again here, against what holds now
             try:
-                await self._make_room_locked(rt, need, deadline)
+                await self._make_room_locked(rt, need, deadline, wait)
             finally:
                 self._waiting_room.pop(rt.name, None)
             # The newcomer's weights leave the budget before it loads, so neighbours' KV cannot take them.
             rt.has_room = True
             self._sync_budget()
 
-    async def _make_room_locked(self, rt: ModelRuntime, need: int, deadline: float | None) -> None:
-        """`_make_room` under the memory lock: sleep victims, or wait (sharing the serving models' KV with
-        ``rt`` while every model that could make room serves)."""
+    async def _make_room_locked(
+        self, rt: ModelRuntime, need: int, deadline: float | None, wait: bool
+    ) -> None:
+        """`_make_room` under the memory lock: sleep idle victims, suspend serving ones (where KV shares
+        cannot make room), or wait (sharing the serving models' KV with ``rt``)."""
         while True:
             used = self.used_bytes(exclude=rt)
-            candidates = [
-                policy.Candidate(
-                    o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy
-                )
-                for o in self.models.values()
-                if o is not rt and o.state is State.AWAKE
-            ]
+            candidates = self._awake_candidates(exclude=rt)
             victims = policy.choose_victims(
                 candidates, need_bytes=need, used_bytes=used, budget_bytes=self.budget_bytes,
                 for_priority=rt.config.priority,
@@ -360,6 +381,19 @@ class Supervisor:
                     await self._sleep(self.models[victim.name], reason=f"room for {rt.name}")
                 if not victims or policy.fits(need, self.used_bytes(exclude=rt), self.budget_bytes):
                     return
+            elif self.config.server.suspend_busy and not (wait and self._shares_make_room(rt)):
+                busy = policy.choose_suspensions(
+                    self._awake_candidates(exclude=rt, suspendable=True), need_bytes=need, used_bytes=used,
+                    budget_bytes=self.budget_bytes, for_priority=rt.config.priority,
+                    awake_before=self._awake_before(rt, wait),
+                )  # fmt: skip
+                if busy:
+                    for victim in busy:
+                        await self._suspend(self.models[victim.name], for_model=rt)
+                    if policy.fits(need, self.used_bytes(exclude=rt), self.budget_bytes):
+                        return
+            if not wait:
+                raise _NoRoomYet
             if deadline is not None and time.monotonic() >= deadline:
                 raise ModelUnavailable(
                     f"no memory for model {rt.name}: every model holding it is busy or pinned"
@@ -369,6 +403,86 @@ class Supervisor:
                 await self._share_kv()
             await asyncio.sleep(self.poll_s)
             await self._refresh_kv()
+
+    def _awake_candidates(
+        self, exclude: ModelRuntime | None = None, suspendable: bool = False
+    ) -> list[policy.Candidate]:
+        """The awake models as the policy sees them; ``suspendable``: also whether each can be suspended."""
+        return [
+            policy.Candidate(
+                o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy,
+                o.idle_sleep_s, o.awake_since, suspendable and self._suspendable(o),
+            )
+            for o in self.models.values()
+            if o is not exclude and o.state is State.AWAKE
+        ]  # fmt: skip
+
+    def _suspendable(self, rt: ModelRuntime) -> bool:
+        """Whether ``rt`` can sleep now keeping its requests: its engine can, and would not be stopped."""
+        kind = kind_of(rt.config)
+        return (
+            rt.sleep_mode == "engine"
+            and rt.engine is not None
+            and rt.name not in self._unsuspendable
+            and kind.can_suspend(rt.config)
+            and self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes) != 0
+        )
+
+    def _awake_before(self, rt: ModelRuntime, wait: bool) -> float:
+        """Models awake since this monotonic time or earlier may be suspended for ``rt``: ``min_awake_s``
+        ago for a wake that requests wait for; for a suspended model's own wake (``wait=False``), only once
+        it has been suspended ``max_suspend_s``, and then only models awake since before its suspension."""
+        srv = self.config.server
+        now = time.monotonic()
+        if wait:
+            return now - srv.min_awake_s
+        if now - rt.suspended_since < srv.max_suspend_s:
+            return -math.inf
+        return min(now - srv.min_awake_s, rt.suspended_since)
+
+    async def _suspend(self, rt: ModelRuntime, for_model: ModelRuntime) -> None:
+        """Put a serving model to sleep with its requests kept in its engine (they resume when it wakes).
+        An engine that refuses is woken again if needed, keeps serving and is not suspended again until it
+        restarts; one that cannot be woken then has failed."""
+        engine = rt.engine
+        if rt.state is not State.AWAKE or engine is None:
+            return
+        rt.set_state(State.SLEEPING)
+        t0 = time.monotonic()
+        kind = kind_of(rt.config)
+        async with self._host_lock:
+            level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
+            try:
+                if not level:
+                    raise RuntimeError("the host has no room for its weights")
+                await kind.sleep(self.client, engine.url, rt.config, level, keep=True)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                logger.warning("model %s was not suspended for %s: %s", rt.name, for_model.name, exc)
+                self._unsuspendable.add(rt.name)
+                try:
+                    if level:
+                        await kind.wake(self.client, engine.url, rt.config, level)
+                except httpx.HTTPError as wake_exc:
+                    await self._failed(rt, f"wake after a refused suspension failed: {wake_exc}")
+                    return
+                rt.set_state(State.AWAKE)
+                return
+            rt.sleep_level = level
+            await self._refresh_host()
+            if level == 1 and kind.uses_arena and rt.host_bytes:
+                rt.host_need_bytes = rt.host_bytes
+        took = time.monotonic() - t0
+        rt.record("suspend", str(level), took)
+        self.metrics.sleep_seconds.labels(rt.name, str(level)).observe(took)
+        rt.suspended = True
+        rt.suspended_since = time.monotonic()
+        rt.set_state(State.ASLEEP)
+        await self._refresh_kv()
+        self._sync_budget()
+        logger.info(
+            "model %s is suspended for %s (level %d, %.2f s; %d requests kept)",
+            rt.name, for_model.name, level, took, rt.in_flight,
+        )  # fmt: skip
 
     async def _sleep(self, rt: ModelRuntime, reason: str) -> None:
         """Put an awake, idle model to sleep: through its engine at the level host memory allows
@@ -421,6 +535,7 @@ class Supervisor:
             rt.engine = None
             error = f"{error} (log {log})"
         rt.sleep_level = None
+        rt.suspended = False
         await self._reclaim()
         rt.failures += 1
         logger.error("model %s failed: %s", rt.name, error)
@@ -463,24 +578,13 @@ class Supervisor:
                     elif rt.state is State.ASLEEP and not rt.lock.locked():
                         await self._died_asleep(rt, engine)
                 now = time.monotonic()
-                awake = [
-                    policy.Candidate(
-                        r.name,
-                        r.config.priority,
-                        r.last_used,
-                        r.footprint_bytes,
-                        r.config.pinned,
-                        r.busy,
-                        r.idle_sleep_s,
-                    )
-                    for r in self.models.values()
-                    if r.state is State.AWAKE
-                ]
+                awake = self._awake_candidates()
                 for due in policy.due_to_sleep(awake, now):
                     rt = self.models[due.name]
                     if not rt.lock.locked():
                         self._spawn(self._idle_sleep(rt), f"sleep-{rt.name}")
                 self._relieve_pressure(awake, now)
+                self._resume_suspended()
                 await self._share_kv()
                 self._sync_budget()
             except Exception:
@@ -498,12 +602,32 @@ class Supervisor:
         engine.kill()
         rt.engine = None
         rt.sleep_level = None
+        rt.suspended = False
         await self._reclaim()
         await self._refresh_host()
 
     async def _idle_sleep(self, rt: ModelRuntime, reason: str | None = None) -> None:
         async with rt.lock:
             await self._sleep(rt, reason=reason or f"idle {rt.idle_sleep_s:g} s")
+
+    def _resume_suspended(self) -> None:
+        """Try to wake the suspended model that has waited longest (one try at a time, and none while another
+        model sleeps, wakes, starts or makes room: a wake that requests wait for goes first). A suspended
+        model whose clients all left is merely asleep."""
+        for rt in self.models.values():
+            if rt.suspended and rt.state is State.ASLEEP and not rt.busy:
+                rt.suspended = False
+        if self._memory_lock.locked() or any(
+            r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in self.models.values()
+        ):
+            return
+        waiting = [
+            r for r in self.models.values() if r.suspended and r.state is State.ASLEEP and not r.lock.locked()
+        ]
+        if waiting:
+            rt = min(waiting, key=lambda r: r.suspended_since)
+            rt.set_state(State.WAKING)  # claimed now, as a request's wake claims it
+            self._spawn(self._bring_up(rt, State.WAKING, deadline=None, wait=False), f"resume-{rt.name}")
 
     def _relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
         """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep
@@ -529,31 +653,42 @@ class Supervisor:
         async with self._share_lock:
             await self._share_kv_locked()
 
-    async def _share_kv_locked(self) -> None:
+    def _share_plan(self, waiting: list[ModelRuntime]) -> tuple[list[ModelRuntime], int | None]:
+        """The serving models whose KV would be shared with ``waiting``, and each one's share (``None``: no
+        budget, or the share falls below its floor)."""
         budget = self.budget_bytes
-        waiting = list(self._waiting_room.values())
         top = max((w.config.priority for w in waiting), default=None)
         shared = [
             r for r in self.models.values()
             if r.state is State.AWAKE and r.busy and r.has_room and not r.config.pinned
             and r.name not in self._unshareable and (top is None or r.config.priority <= top)
         ]  # fmt: skip
+        if budget is None or not shared:
+            return shared, None
+        weights = sum(r.weights_bytes for r in self.models.values() if r.has_room)
+        fixed = sum(r.kv_bytes for r in self.models.values() if r not in shared)
+        room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
+        share = policy.kv_share(room, len(shared) + len(waiting))
+        # Below kv_share_min a model's own requests may not fit its share (two such models would wait for
+        # each other), below what a model holds idle it makes no room: wait for an idle neighbour.
+        floor = max(self.kv_share_min_bytes, *(r.idle_kv_bytes for r in [*shared, *waiting]))
+        return shared, share if share >= floor else None
+
+    def _shares_make_room(self, rt: ModelRuntime) -> bool:
+        """Whether sharing the serving models' KV with ``rt`` (waiting) would make room for it."""
+        waiting = list(self._waiting_room.values())
+        _, share = self._share_plan(waiting if rt in waiting else [*waiting, rt])
+        return share is not None
+
+    async def _share_kv_locked(self) -> None:
+        budget = self.budget_bytes
+        waiting = list(self._waiting_room.values())
+        shared, share = self._share_plan(waiting)
         if budget is None or (not waiting and len(shared) < 2):
             self._sharing = False
         elif waiting or budget - self.used_bytes() < self.kv_headroom_bytes:
             self._sharing = True
-        limits: dict[str, int] = {}
-        if self._sharing and shared:
-            assert budget is not None
-            weights = sum(r.weights_bytes for r in self.models.values() if r.has_room)
-            fixed = sum(r.kv_bytes for r in self.models.values() if r not in shared)
-            room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
-            share = policy.kv_share(room, len(shared) + len(waiting))
-            # Below kv_share_min a model's own requests may not fit its share (two such models would wait
-            # for each other), below what a model holds idle it makes no room: wait for an idle neighbour.
-            floor = max(self.kv_share_min_bytes, *(r.idle_kv_bytes for r in [*shared, *waiting]))
-            if share >= floor:
-                limits = {r.name: share for r in shared}
+        limits = {r.name: share for r in shared} if self._sharing and share is not None else {}
         for rt in self.models.values():
             want = limits.get(rt.name)
             have = rt.kv_limit_bytes
