@@ -11,8 +11,8 @@
 # skips (no driver, a missing engine), so the count is checked from pytest's JUnit report: fewer passes than
 # the table says fails the group. A group whose prerequisite is missing here (vLLM, SGLang, a second GPU) is
 # not run and is listed as NOT RUN with the reason; --require (or --require all) turns that into a failure.
-# vLLM comes from the bundle of ci/gpu-bundle/ (PYTHONPATH=/tmp/site); the plugins run from their source
-# folders, the core is built here.
+# vLLM comes from the bundle of ci/gpu-bundle/ (PYTHONPATH=/tmp/site); our packages are installed here from
+# this checkout (the core built), and their source folders lead PYTHONPATH.
 #
 # Needs: python3 with torch (CUDA), pybind11, scikit-build-core, cmake, ninja, pytest; compute-sanitizer on
 # PATH (or under /usr/local/cuda/bin) for the memcheck step. Every step has a time limit, and a test that hangs
@@ -38,8 +38,8 @@ while [ $# -gt 0 ]; do
 done
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1   # no network on the GPU machine
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 TOKENIZERS_PARALLELISM=false
-# The plugins from their source folders, ahead of whatever PYTHONPATH holds (the vLLM bundle's /tmp/site).
-export PYTHONPATH="$root/packages/vllm-elastic-kv/src:$root/packages/sglang-elastic-kv/src${PYTHONPATH:+:$PYTHONPATH}"
+# Our packages from their source folders, ahead of whatever PYTHONPATH holds (the vLLM bundle's /tmp/site).
+export PYTHONPATH="$root/packages/vllm-elastic-kv/src:$root/packages/sglang-elastic-kv/src:$root/packages/elastic-kv-serve/src${PYTHONPATH:+:$PYTHONPATH}"
 
 # group | tests that must pass on an H200 machine | prerequisites (cuda, vllm, sglang, gpus2) | time limit (s) | tests
 groups=(
@@ -50,6 +50,7 @@ groups=(
     # which ci/gpu-bundle/ leaves out to fit two device calls)
     "vllm-engine|5|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
     "vllm-sleep|4|cuda,vllm|600|tests/vllm/test_vllm_sleep_gpu.py"   # sleep mode into the host arena
+    "serve-gpu|1|cuda,vllm|600|tests/serve/test_serve_vllm_gpu.py"   # elastic-kv serve suspends a vLLM engine
     "ranks|4|cuda,gpus2|600|tests/ranks/test_ranks_gpu.py"
     "sglang|2|cuda,sglang|600|tests/sglang/test_sglang_gpu.py"
 )
@@ -88,8 +89,11 @@ required() {  # required GROUP -> 0 when --require names it
     [ "$require" = all ] || [[ ",$require," == *",$1,"* ]]
 }
 
-step "build elastic-kv-core" "$out/build.log" 900 \
-    "$python" -m pip install --no-build-isolation --no-deps -v ./packages/elastic-kv-core
+# Installed, not only on PYTHONPATH: engines that elastic-kv serve starts find the vLLM plugin through its
+# entry point.
+step "build and install our packages" "$out/build.log" 900 \
+    "$python" -m pip install --no-build-isolation --no-deps -v ./packages/elastic-kv-core \
+    ./packages/vllm-elastic-kv ./packages/sglang-elastic-kv ./packages/elastic-kv-serve
 
 cuda=0
 if step "driver facts" "$out/facts.txt" 120 "$python" - <<'PY'

@@ -12,7 +12,9 @@ Definitions (stated in every report):
   when one model of the same shape serves one burst alone on the device (``k`` = 5 by default), per model
   and overall;
 * swaps (sleep set-up): each wake of an asleep model, timed from the request that found it asleep until it
-  serves -- putting other models to sleep to make room for it included -- from the server's ``/status``.
+  serves -- putting other models to sleep, or suspending serving ones, to make room for it included -- from
+  the server's ``/status``; suspensions (sleeps of serving models, their requests kept) and resumes (their
+  wakes once room is free) are counted apart.
 """
 
 from __future__ import annotations
@@ -116,15 +118,13 @@ def summarize(
 
 def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]:
     """Seconds of every transition the sleep set-up's server recorded, by kind: ``wake`` (from level 1 or
-    2: the swaps), ``cold`` (a wake or start that started a process), ``sleep`` (through the engine) and
-    ``stop`` (a sleep that stopped the process)."""
-    out: dict[str, list[float]] = {"wake": [], "cold": [], "sleep": [], "stop": []}
+    2 for a request: the swaps), ``resume`` (a suspended model's wake), ``cold`` (a wake or start that
+    started a process), ``sleep`` (through the engine), ``suspend`` (a sleep while serving, its requests kept)
+    and ``stop`` (a sleep that stopped the process)."""
+    out: dict[str, list[float]] = {k: [] for k in ("wake", "resume", "cold", "sleep", "suspend", "stop")}
     for model in (final_status or {}).get("models", []):
         for t in model.get("transitions", []):
-            if t["kind"] == "sleep":
-                out["stop" if t["level"] == "stop" else "sleep"].append(t["seconds"])
-            else:
-                out["cold" if t["level"] == "cold" else "wake"].append(t["seconds"])
+            out[t["level"] if t["level"] in ("stop", "cold") else t["kind"]].append(t["seconds"])
     return out
 
 
@@ -182,7 +182,9 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         lines += ["", "## Sleep set-up: transitions over the whole run", ""]
         lines += ["| transition | count | p50 s | p99 s | max s |", "|---|---|---|---|---|"]
         titles = {"wake": "swap (wake from level 1/2, room made included)", "cold": "cold start",
-                  "sleep": "sleep (level 1/2)", "stop": "sleep by stopping"}  # fmt: skip
+                  "resume": "resume (a suspended model's wake)", "sleep": "sleep (level 1/2)",
+                  "suspend": "suspend (sleep while serving, requests kept)",
+                  "stop": "sleep by stopping"}  # fmt: skip
         for kind, values in swaps.items():
             if values:
                 lines.append(
@@ -300,7 +302,9 @@ def plot_memory(results: Mapping[str, Any], out_dir: Path) -> list[str]:
     if any(swaps.values()):
         fig, ax = plt.subplots(figsize=(8, 3.2))
         edges = [0.0, *(2.0**e for e in range(-4, 8))]
-        for kind, color in (("wake", "tab:green"), ("sleep", "tab:blue"), ("cold", "tab:red")):
+        kinds = (("wake", "tab:green"), ("resume", "tab:olive"), ("sleep", "tab:blue"),
+                 ("suspend", "tab:purple"), ("cold", "tab:red"))  # fmt: skip
+        for kind, color in kinds:
             if swaps[kind]:
                 ax.hist(swaps[kind], bins=edges, alpha=0.6, color=color, label=f"{kind} ({len(swaps[kind])})")
         ax.set_xscale("symlog", linthresh=0.0625)
