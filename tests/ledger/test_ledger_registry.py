@@ -78,8 +78,12 @@ def test_kvctl_trim_returns_the_reserve(pools: tuple[Pool, Pool, Any]) -> None:
     assert view.pool("a").charged_bytes == PAGE
 
 
-def test_kvctl_trim_holds_until_the_pool_allocates_again(tmp_path: Path) -> None:
-    """A trim returns the pre-mapped reserve; the maintain() that applies it does not map it again."""
+@pytest.mark.parametrize("by", ["kvctl", "engine"])
+def test_a_trim_holds_until_the_pool_allocates_again(tmp_path: Path, by: str) -> None:
+    """A trim returns the pre-mapped reserve; no later maintain() maps it again until the pool allocates.
+    ``kvctl``: ``kvctl trim``, applied by the next maintain(). ``engine``: the engine's own ``trim()`` (a
+    vLLM engine going to sleep), then a change of the device budget (what ``elastic-kv serve`` does as
+    models sleep and wake), which an idle engine applies by calling maintain()."""
     view = registry.Registry(tmp_path)
     record = registry.PoolRecord.create(
         "t", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
@@ -92,7 +96,12 @@ def test_kvctl_trim_holds_until_the_pool_allocates_again(tmp_path: Path) -> None
         pool.ledger.maintain()
         pool.ledger.settle()  # the background maps land
         assert pool.ledger.snapshot().reserve_pages == 2 and view.pool("t").charged_bytes == 3 * PAGE
-        view.request_trim("t")
+        if by == "kvctl":
+            view.request_trim("t")
+        else:
+            pool.ledger.trim()
+            pool.ledger.publish()
+            view.set_budget("gpu0", 64 * PAGE)
         pool.ledger.maintain()
         assert pool.ledger.snapshot().reserve_pages == 0
         info = view.pool("t")

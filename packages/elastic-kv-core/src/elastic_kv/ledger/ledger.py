@@ -95,7 +95,7 @@ class Ledger:
         self._misses = 0
         self._policy = ReservePolicy(cfg.reserve_min_pages, cfg.reserve_max_pages, cfg.reserve_window)
         self._light = False  # the last maintain() was for a light step
-        self._trimmed = False  # kvctl trim returned the reserve: refilled only once the pool allocates again
+        self._trimmed = False  # the reserve was returned (kvctl trim, trim()): refilled on the next alloc
 
         self._null = null_block
         if null_block is not None:
@@ -467,11 +467,15 @@ class Ledger:
 
     def trim(self, keep: int = 0) -> int:
         """Unmap reserve pages now, all but the ``keep`` most recently added; returns how many were
-        unmapped. Pages pending release stay until their epoch is released. ``ValueError`` if ``keep < 0``."""
+        unmapped. Pages pending release stay until their epoch is released. ``ValueError`` if ``keep < 0``.
+        ``keep=0`` (an engine that sleeps or resets its cache) returns the whole reserve as ``kvctl trim``
+        does: :meth:`maintain` does not map it again until the pool allocates."""
         if keep < 0:
             raise ValueError(f"keep={keep} must be >= 0")
         if get_ident() != self._guard.owner:
             self._guard.refuse()
+        if keep == 0:
+            self._trimmed = True
         return self._backing.unmap_reserve(keep)
 
     def clear(self) -> None:
