@@ -17,12 +17,14 @@ shares (a model waking while every neighbour serves gets a share of their KV).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +336,7 @@ def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
         model["sleep_path"] = "/sleep?level={level}&mode={mode}"
         return model
 
+    (tmp_path / "serve").mkdir()
     return ServeProcess(
         tmp_path / "serve",
         {"budget": "35M", "host_budget": "40M", "min_awake_s": 1, "max_suspend_s": 3,
@@ -349,12 +352,37 @@ def _ask_timed(srv: ServeProcess, model: str, n: int, done: dict[str, float]) ->
     return reply
 
 
-def _wait_serving(srv: ServeProcess, models: str, timeout_s: float = 30) -> None:
-    """Until each of ``models`` has a request running that holds its KV."""
-    deadline = time.monotonic() + timeout_s
-    while not all(m["in_flight"] and m["kv_bytes"] >= 2 * MiB for m in map(srv.status().get, models)):
-        assert time.monotonic() < deadline, srv.status()
-        time.sleep(0.1)
+@dataclass
+class _Turns:
+    """Two models serving and a third asked for (:func:`_two_serving_then_c`)."""
+
+    srv: ServeProcess
+    first: dict[str, Future[httpx.Response]]  # a's and b's requests
+    third: Future[httpx.Response]  # c's request
+    asked_at: float  # when c was asked for (monotonic)
+    done: dict[str, float]  # when each request ended (monotonic)
+
+
+@contextlib.contextmanager
+def _two_serving_then_c(tmp_path: Path, n_ab: int, n_c: int, **server: Any) -> Iterator[_Turns]:
+    """The :func:`_turns_server`, ``a`` and ``b`` serving ``n_ab``-token requests that hold 2 MiB of KV each,
+    both awake past ``min_awake_s``; then a request of ``n_c`` tokens to ``c``."""
+    srv = _turns_server(tmp_path, **server)
+    pool = ThreadPoolExecutor(3)
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+        done: dict[str, float] = {}
+        first = {m: pool.submit(_ask_timed, srv, m, n_ab, done) for m in "ab"}
+        deadline = time.monotonic() + 30
+        while not all(m["in_flight"] and m["kv_bytes"] >= 2 * MiB for m in map(srv.status().get, "ab")):
+            assert time.monotonic() < deadline, srv.status()
+            time.sleep(0.1)
+        time.sleep(1.0)  # both awake past min_awake_s
+        asked_at = time.monotonic()
+        yield _Turns(srv, first, pool.submit(_ask_timed, srv, "c", n_c, done), asked_at, done)
+    finally:
+        srv.stop()  # first: requests still open end with the server
+        pool.shutdown()
 
 
 def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp_path: Path) -> None:
@@ -362,27 +390,18 @@ def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp
     longest) instead of waiting for either to finish. ``a`` keeps its request in its engine, gives its KV
     back and, 3 s later, takes its turn back from ``b`` (the one awake since before ``a`` was suspended).
     Every answer is the one each model's weights give, and no model is left suspended."""
-    (tmp_path / "serve").mkdir()
-    srv = _turns_server(tmp_path)
-    try:
-        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
-        done: dict[str, float] = {}
-        with ThreadPoolExecutor(3) as pool:
-            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
-            _wait_serving(srv, "ab")
-            time.sleep(1.0)  # both awake past min_awake_s
-            t0 = time.monotonic()
-            third = pool.submit(_ask_timed, srv, "c", 40, done)
-            srv.wait_for({"c": "awake"}, timeout_s=30)
-            woke_s = time.monotonic() - t0
-            status = srv.status()
-            assert status["a"]["state"] == "asleep" and status["a"]["suspended"], status["a"]
-            assert not any(f.done() for f in first.values()), "a request ended before c woke"
-            assert woke_s < 8.0, f"c waited {woke_s:.1f} s: for a request to end, not for a suspension"
-            (suspend,) = _transitions(status, "a", "suspend")
-            assert suspend["level"] == "1" and status["a"]["in_flight"] == 1
-            assert status["a"]["kv_bytes"] < 2 * MiB, "the suspended engine kept its requests' KV"
-            replies = {m: f.result(timeout=120) for m, f in [*first.items(), ("c", third)]}
+    with _two_serving_then_c(tmp_path, 40, 40) as turns:
+        srv = turns.srv
+        srv.wait_for({"c": "awake"}, timeout_s=30)
+        woke_s = time.monotonic() - turns.asked_at
+        status = srv.status()
+        assert status["a"]["state"] == "asleep" and status["a"]["suspended"], status["a"]
+        assert not any(f.done() for f in turns.first.values()), "a request ended before c woke"
+        assert woke_s < 8.0, f"c waited {woke_s:.1f} s: for a request to end, not for a suspension"
+        (suspend,) = _transitions(status, "a", "suspend")
+        assert suspend["level"] == "1" and status["a"]["in_flight"] == 1
+        assert status["a"]["kv_bytes"] < 2 * MiB, "the suspended engine kept its requests' KV"
+        replies = {m: f.result(timeout=120) for m, f in [*turns.first.items(), ("c", turns.third)]}
         for m, reply in replies.items():
             assert _text(reply) == _expected(tmp_path, m, m, 40)
         status = srv.status()
@@ -394,62 +413,41 @@ def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert f'elastic_kv_serve_model_suspends_total{{model="a"}} {status["a"]["suspends"]:.1f}' in metrics
         assert 'elastic_kv_serve_model_suspended{model="a"} 0.0' in metrics
-    finally:
-        srv.stop()
 
 
 def test_an_engine_that_refuses_a_suspension_keeps_serving(tmp_path: Path) -> None:
     """The same three models, but their engines answer a keep-mode sleep with 409: ``a`` is woken again if
     needed and keeps serving, is not asked again, and ``c`` waits for a request to end; nothing is lost."""
-    (tmp_path / "serve").mkdir()
-    srv = _turns_server(tmp_path, refuse_keep=True)
-    try:
-        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+    with _two_serving_then_c(tmp_path, 16, 4, refuse_keep=True) as turns:
+        srv = turns.srv
         pids = {n: m["pid"] for n, m in srv.status().items()}
-        done: dict[str, float] = {}
-        with ThreadPoolExecutor(3) as pool:
-            first = {m: pool.submit(_ask_timed, srv, m, 16, done) for m in "ab"}
-            _wait_serving(srv, "ab")
-            time.sleep(1.0)
-            third = pool.submit(_ask_timed, srv, "c", 4, done)
-            replies = {m: f.result(timeout=120) for m, f in [*first.items(), ("c", third)]}
+        replies = {m: f.result(timeout=120) for m, f in [*turns.first.items(), ("c", turns.third)]}
         for m, reply in replies.items():
             assert _text(reply) == _expected(tmp_path, m, m, 16 if m in "ab" else 4)
+        done = turns.done
         assert done["c"] > min(done["a"], done["b"]), "c was served before a neighbour's request ended"
         status = srv.status()
         assert not any(_transitions(status, n, "suspend") for n in "abc")
         assert status["a"]["pid"] == pids["a"] and status["b"]["pid"] == pids["b"]  # not restarted
         assert "was not suspended" in srv.log_tail(200)
-    finally:
-        srv.stop()
 
 
 def test_a_suspended_engine_that_dies_fails_its_request_and_is_started_again(tmp_path: Path) -> None:
     """``a`` is suspended for ``c`` and then killed: its kept request gets an error, its pool record and
     arena extent are given back, and its next request cold-starts it; the others are unaffected."""
-    (tmp_path / "serve").mkdir()
-    srv = _turns_server(tmp_path)
-    try:
-        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
-        done: dict[str, float] = {}
-        with ThreadPoolExecutor(3) as pool:
-            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
-            _wait_serving(srv, "ab")
-            time.sleep(1.0)
-            third = pool.submit(_ask_timed, srv, "c", 8, done)
-            srv.wait_for({"c": "awake"}, timeout_s=30)
-            status = srv.status()
-            assert status["a"]["suspended"] and status["a"]["host_bytes"] == 10 * MiB, status["a"]
-            os.kill(status["a"]["pid"], signal.SIGKILL)
-            lost = first["a"].result(timeout=60)
-            assert lost.status_code >= 500, lost.text
-            deadline = time.monotonic() + 30
-            while (a := srv.status()["a"])["pid"] is not None or a["host_bytes"] or a["suspended"]:
-                assert time.monotonic() < deadline, a
-                time.sleep(0.2)
-            assert _text(first["b"].result(timeout=120)) == _expected(tmp_path, "b", "b", 40)
-            assert _text(third.result(timeout=120)) == _expected(tmp_path, "c", "c", 8)
+    with _two_serving_then_c(tmp_path, 40, 8) as turns:
+        srv = turns.srv
+        srv.wait_for({"c": "awake"}, timeout_s=30)
+        status = srv.status()
+        assert status["a"]["suspended"] and status["a"]["host_bytes"] == 10 * MiB, status["a"]
+        os.kill(status["a"]["pid"], signal.SIGKILL)
+        lost = turns.first["a"].result(timeout=60)
+        assert lost.status_code >= 500, lost.text
+        deadline = time.monotonic() + 30
+        while (a := srv.status()["a"])["pid"] is not None or a["host_bytes"] or a["suspended"]:
+            assert time.monotonic() < deadline, a
+            time.sleep(0.2)
+        assert _text(turns.first["b"].result(timeout=120)) == _expected(tmp_path, "b", "b", 40)
+        assert _text(turns.third.result(timeout=120)) == _expected(tmp_path, "c", "c", 8)
         assert _text(_ask(srv, "a", "again")) == _expected(tmp_path, "a", "again")
         assert _transitions(srv.status(), "a", "wake")[-1]["level"] == "cold"
-    finally:
-        srv.stop()
