@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -74,12 +75,23 @@ def write_config(path: Path, server: dict[str, Any], models: list[dict[str, Any]
 class ServeProcess:
     """A running ``elastic-kv serve`` (see the module docstring)."""
 
-    def __init__(self, workdir: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        server: dict[str, Any],
+        models: list[dict[str, Any]],
+        *,
+        headers: dict[str, str] | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        """``headers`` (an API key) and ``verify`` (a CA file, for a server with ``ssl_certfile``) go with
+        every request this object sends."""
         self.workdir = workdir
         self.registry = workdir / "registry"
         self.registry.mkdir(mode=0o700, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "ssl_certfile" in server else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         server = {
             "port": self.port,
             "registry_dir": str(self.registry),
@@ -96,7 +108,9 @@ class ServeProcess:
             [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config)],
             cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
+        self.client = httpx.Client(
+            base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0), headers=headers, verify=verify
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         return engine_logs.tail(self.log_path, lines)

@@ -1,8 +1,9 @@
 """``elastic-kv``: serve many models behind one OpenAI endpoint, and show what the server is doing.
 
-    elastic-kv serve --config models.toml [--host H] [--port P]
+    elastic-kv serve --config models.toml [--host H] [--port P] [--api-key KEY ...]
+                     [--ssl-certfile CRT --ssl-keyfile KEY]
     elastic-kv serve --model NAME=PATH [--model NAME2=PATH2 ...] [--engine vllm|sglang] [--budget 80%]
-    elastic-kv status [--url http://127.0.0.1:8000] [--json]
+    elastic-kv status [--url http://127.0.0.1:8000] [--json] [--api-key KEY] [--cacert CA.pem]
 
 A bad config stops ``serve`` before anything starts, with one line naming the key (exit status 2). SIGTERM
 or SIGINT drains the server: it stops accepting, lets in-flight requests finish (``drain_timeout_s``), then
@@ -40,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", help="listen address (overrides [server] host)")
     serve.add_argument("--port", type=int, help="listen port (overrides [server] port)")
+    serve.add_argument("--api-key", action="append", help="an API key clients must send (repeatable)")
+    serve.add_argument("--api-key-file", help="a file of API keys, one per line")
+    serve.add_argument(
+        "--allow-unauthenticated", action="store_true", help="listen beyond loopback without an API key"
+    )
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key")
     serve.add_argument("--budget", help="--model form: device budget, e.g. 80%% or 100G")
     serve.add_argument("--idle-sleep-s", type=float, help="--model form: idle seconds before a model sleeps")
     serve.add_argument("--registry-dir", help="--model form: the pool registry directory")
@@ -47,44 +55,66 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the state of every model of a running server")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     status.add_argument("--json", action="store_true", help="the raw /status document")
+    status.add_argument("--api-key", help="the server's API key (default: $ELASTIC_KV_API_KEY)")
+    status.add_argument("--cacert", help="CA certificate to verify an https:// server with")
     return parser
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from elastic_kv_serve.config import load_config, parse_config, quick_config
+    from elastic_kv_serve.config import load_config, quick_config
 
+    names = ("host", "port", "api_key_file", "ssl_certfile", "ssl_keyfile")
+    server: dict[str, Any] = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if args.allow_unauthenticated:
+        server["allow_unauthenticated"] = True
     if args.config is not None:
-        config = load_config(args.config)
+        config = load_config(args.config, server)
     else:
-        server: dict[str, Any] = {}
         for key in ("budget", "idle_sleep_s", "registry_dir"):
             if getattr(args, key) is not None:
                 server[key] = getattr(args, key)
         config = quick_config(args.model, args.engine, server)
-    overrides = {k: getattr(args, k) for k in ("host", "port") if getattr(args, k) is not None}
-    if overrides:
-        data = config.model_dump()
-        data["server"].update(overrides)
-        config = parse_config(data, "command line")
     return config
+
+
+def _check_tls(srv: Any) -> None:
+    """:class:`ConfigError` (one line) when the certificate and key cannot serve TLS."""
+    import ssl
+
+    if srv.ssl_certfile is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(srv.ssl_certfile, srv.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"server.ssl_certfile: cannot serve TLS with {srv.ssl_certfile} and {srv.ssl_keyfile}: {exc}"
+        ) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from elastic_kv_serve.auth import check_exposure, load_keys
     from elastic_kv_serve.engines import EngineStartError
     from elastic_kv_serve.router import create_app
     from elastic_kv_serve.supervisor import Supervisor
 
     config = _load(args)
+    keys = load_keys(config.server, extra=args.api_key or ())
+    check_exposure(config.server, keys)
+    _check_tls(config.server)
     supervisor = Supervisor(config)
     try:
         supervisor.prepare()
     except EngineStartError as exc:
         raise ConfigError(str(exc)) from None
-    app = create_app(config, supervisor)
+    app = create_app(config, supervisor, keys)
     srv = config.server
-    logger.info("serving %d model(s) on http://%s:%d", len(config.models), srv.host, srv.port)
+    scheme = "https" if srv.ssl_certfile is not None else "http"
+    logger.info(
+        "serving %d model(s) on %s://%s:%d (%s)", len(config.models), scheme, srv.host, srv.port,
+        f"{len(keys)} API key(s)" if keys.enabled else "no API key",
+    )  # fmt: skip
     uv = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -92,6 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
             port=srv.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=int(srv.drain_timeout_s) or None,
+            ssl_certfile=srv.ssl_certfile,
+            ssl_keyfile=srv.ssl_keyfile,
             lifespan="on",
             access_log=args.log_level == "debug",
         )
@@ -137,10 +169,22 @@ def _ago(wall: float) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import os
+    import ssl
+
     import httpx
 
+    from elastic_kv_serve.auth import ENV_KEY
+
+    key = args.api_key or os.environ.get(ENV_KEY)
+    headers = {"authorization": f"Bearer {key}"} if key else None
     try:
-        reply = httpx.get(f"{args.url.rstrip('/')}/status", timeout=10)
+        verify: Any = ssl.create_default_context(cafile=args.cacert) if args.cacert else True
+    except (OSError, ssl.SSLError) as exc:
+        print(f"elastic-kv status: --cacert {args.cacert}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        reply = httpx.get(f"{args.url.rstrip('/')}/status", timeout=10, headers=headers, verify=verify)
         reply.raise_for_status()
     except httpx.HTTPError as exc:
         print(f"elastic-kv status: cannot reach {args.url}: {exc}", file=sys.stderr)

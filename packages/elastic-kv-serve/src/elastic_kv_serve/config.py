@@ -5,6 +5,11 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     [server]
     host = "127.0.0.1"          # where the OpenAI endpoint listens
     port = 8000
+    api_keys = ["sk-...", { key = "sk-team", models = ["llama-a"] }]   # clients send one as a bearer token
+    api_key_file = "/run/secrets/elastic-kv-keys"   # more keys, one per line (also ELASTIC_KV_API_KEY)
+    allow_unauthenticated = false   # needed to listen beyond loopback without a key
+    ssl_certfile = "/etc/elastic-kv/tls.crt"   # HTTPS (with ssl_keyfile)
+    ssl_keyfile = "/etc/elastic-kv/tls.key"
     registry_dir = "/dev/shm/elastic-kv-1000"   # pool records (kvctl); default: elastic-kv's own
     budget = "80%"              # device memory every awake model's weights + KV must fit in ("100G" too)
     device_memory = "80G"       # what "80%" is a share of; default: the device's size as measured
@@ -14,6 +19,8 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     drain_timeout_s = 60        # SIGTERM/SIGINT: in-flight requests get this long to finish
     max_request_bytes = "4M"    # larger request bodies are refused with 413
     max_queued = 256            # requests one model may hold waiting (to wake, start, restart); more get 429
+    max_in_flight = 0           # requests one model serves at once (0: no limit); more wait in its queue
+    max_tokens = 8192           # the most tokens one request may ask for (max_tokens); none by default
     start_parallel = 1          # engines starting at once
     preload = false             # start every model at start-up; those that do not fit awake go to sleep
     kv_headroom = "5%"          # of the budget: while a model serves and less is left, an idle one sleeps
@@ -36,6 +43,7 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     idle_sleep_s = 300          # 0 = never sleep
     pinned = false              # pinned models never sleep
     priority = 0                # higher keeps memory when the device is full
+    max_in_flight = 64          # this model's own limit (default: the server's)
     weights_bytes = "16G"       # the model's weights in memory; default: the checkpoint's weight files
 
     [[models]]                  # any other OpenAI-compatible server, started by a command of its own
@@ -66,6 +74,7 @@ from elastic_kv.sizes import Percent, parse_amount, parse_size
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "KeyConfig",
     "ModelConfig",
     "ServeConfig",
     "ServerConfig",
@@ -112,11 +121,26 @@ class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True)
 
 
+_PATH_KEYS = ("registry_dir", "log_dir", "host_arena_dir", "api_key_file", "ssl_certfile", "ssl_keyfile")
+
+
+class KeyConfig(_Table):
+    """An API key limited to some models (an entry of ``api_keys``)."""
+
+    key: Annotated[str, Field(min_length=1)]
+    models: list[str]
+
+
 class ServerConfig(_Table):
     """The ``[server]`` table (see the module docstring)."""
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    api_keys: list[Annotated[str, Field(min_length=1)] | KeyConfig] = Field(default_factory=list)
+    api_key_file: Path | None = None
+    allow_unauthenticated: bool = False
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
     registry_dir: Path | None = None
     budget: Amount | None = None
     device_memory: Size | None = None
@@ -129,6 +153,8 @@ class ServerConfig(_Table):
     restart_backoff_max_s: PositiveSeconds = 30.0
     max_restarts: Annotated[int, Field(ge=0)] = 5
     max_queued: Annotated[int, Field(ge=1)] = 256
+    max_in_flight: Annotated[int, Field(ge=0)] = 0
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     start_parallel: Annotated[int, Field(ge=1, le=64)] = 1
     preload: bool = False
     kv_headroom: Amount = Percent(5.0)
@@ -142,12 +168,18 @@ class ServerConfig(_Table):
     host_arena_dir: Path | None = None
     log_dir: Path | None = None
 
+    @model_validator(mode="after")
+    def _tls(self) -> ServerConfig:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _paths(cls, data: Any) -> Any:
         # TOML has no path type: accept strings for the path fields under strict mode.
         if isinstance(data, dict):
-            for key in ("registry_dir", "log_dir", "host_arena_dir"):
+            for key in _PATH_KEYS:
                 if isinstance(data.get(key), str):
                     data = {**data, key: Path(data[key]).expanduser()}
         return data
@@ -165,6 +197,7 @@ class ModelConfig(_Table):
     pinned: bool = False
     priority: int = 0
     weights_bytes: Size | None = None
+    max_in_flight: Annotated[int, Field(ge=0)] | None = None
     # engine = "command" only
     command: list[str] | None = None
     health_path: str = "/health"
@@ -220,7 +253,15 @@ class ServeConfig(_Table):
                         f"two models are called {model.name!r} (or share pool {model.pool_name})"
                     )
                 seen[key] = model.name
+        for i, entry in enumerate(self.server.api_keys):
+            unknown = [m for m in getattr(entry, "models", ()) if m not in seen]
+            if unknown:
+                raise ValueError(f"server.api_keys[{i}]: no model is called {unknown[0]!r}")
         return self
+
+    def max_in_flight(self, model: ModelConfig) -> int:
+        """The requests ``model`` serves at once (its own limit, else the server's); 0 = no limit."""
+        return self.server.max_in_flight if model.max_in_flight is None else model.max_in_flight
 
     def idle_sleep_s(self, model: ModelConfig) -> float:
         """The model's idle time before it sleeps (its own, else the server's default); 0 = never."""
@@ -248,8 +289,9 @@ def parse_config(data: dict[str, Any], source: str = "config") -> ServeConfig:
         raise _first_error(exc, source) from None
 
 
-def load_config(path: Path) -> ServeConfig:
-    """Read and validate a TOML config file; :class:`ConfigError` for a missing, malformed or bad file."""
+def load_config(path: Path, server: dict[str, Any] | None = None) -> ServeConfig:
+    """Read and validate a TOML config file, ``server`` (command-line values) over its ``[server]`` table;
+    :class:`ConfigError` for a missing, malformed or bad file."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -258,6 +300,9 @@ def load_config(path: Path) -> ServeConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if server:
+        table = data.get("server", {})
+        data["server"] = {**table, **server} if isinstance(table, dict) else table
     return parse_config(data, str(path))
 
 

@@ -23,6 +23,16 @@ State metrics (read from the supervisor at each scrape)::
     elastic_kv_serve_model_suspended{model}                    1 while suspended
     elastic_kv_serve_budget_bytes / elastic_kv_serve_used_bytes    the budget and what awake models use
     elastic_kv_serve_host_budget_bytes / _host_used_bytes      the host budget and what asleep weights use
+
+For routers that pick a server by vLLM's metrics (the Gateway API inference extension's model-server
+protocol, llm-d), the same state under vLLM's names, one series per model (``model_name``, as vLLM labels
+them)::
+
+    vllm:num_requests_waiting{model_name}      requests waiting at the server (to wake, start, or for a slot)
+    vllm:num_requests_running{model_name}      requests being served
+    vllm:kv_cache_usage_perc{model_name}       the part of the device budget in use (awake weights and every
+                                               model's KV, 0 to 1; 0 without a budget): the same for every
+                                               model, since they share it
 """
 
 from __future__ import annotations
@@ -104,6 +114,22 @@ class _StateCollector(Collector):
         host_used = GaugeMetricFamily("elastic_kv_serve_host_used_bytes", "host memory asleep weights take")
         host_used.add_metric([], sup.host_used_bytes())
         yield host_used
+        yield from _router_metrics(sup)
+
+
+def _router_metrics(sup: Supervisor) -> Iterator[Metric]:
+    """The state routers read, under vLLM's metric names (see the module docstring)."""
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting", labels=["model_name"])
+    running = GaugeMetricFamily("vllm:num_requests_running", "requests being served", labels=["model_name"])
+    usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "part of the device budget in use (0 to 1)", labels=["model_name"]
+    )
+    used = sup.used_bytes() / sup.budget_bytes if sup.budget_bytes else 0.0
+    for rt in sup.models.values():
+        waiting.add_metric([rt.name], rt.queued)
+        running.add_metric([rt.name], rt.in_flight)
+        usage.add_metric([rt.name], min(1.0, used))
+    yield from (waiting, running, usage)
 
 
 class ServeMetrics:

@@ -5,16 +5,20 @@ Routes::
     GET  /v1/models              every configured model (awake or not)
     POST /v1/completions         forwarded to the engine of the body's ``model``
     POST /v1/chat/completions    same; ``"stream": true`` answers are relayed chunk by chunk (SSE)
-    GET  /health                 200 while the server serves, 503 while it shuts down
+    GET  /health                 200 while the server serves, 503 while it shuts down (liveness)
+    GET  /ready                  200 once the start-up is done, 503 before and while it shuts down (readiness)
     GET  /status                 the supervisor's state (``elastic-kv status`` reads it)
     GET  /metrics                Prometheus text format
 
+With API keys configured (:mod:`elastic_kv_serve.auth`), every route but the two probes needs one.
+
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a body that is
-not a JSON object with a string ``model``, 404 for an unknown model, 413 for a body over
-``max_request_bytes``, 429 when the model already has ``max_queued`` requests waiting, 503 when the model
-cannot serve (its engine died mid-request, it did not become ready within ``wake_timeout_s``, it was given
-up on, the server is stopping); 429s and 503s carry ``Retry-After``. A client that disconnects has its
-upstream request closed, which makes the engine abort it.
+not a JSON object with a string ``model``, or that asks for more than ``max_tokens`` tokens; 401 without a
+valid API key; 404 for an unknown model (or one the key may not use); 413 for a body over
+``max_request_bytes``; 429 when the model already has ``max_queued`` requests waiting; 503 when the model
+cannot serve (its engine died mid-request, it did not become ready or free a request slot within
+``wake_timeout_s``, it was given up on, the server is stopping); 429s and 503s carry ``Retry-After``. A
+client that disconnects has its upstream request closed, which makes the engine abort it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from elastic_kv_serve.auth import OPEN_PATHS, ApiKey, Keys
 from elastic_kv_serve.config import ServeConfig
 from elastic_kv_serve.runtime import ModelRuntime
 from elastic_kv_serve.supervisor import ModelUnavailable, QueueFull, Supervisor, UnknownModel
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
@@ -88,9 +94,28 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> FastAPI:
-    """The app; its lifespan starts the supervisor and, after the HTTP server drained, stops it."""
+# The token-count fields of a request body (completions: max_tokens; chat: either).
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def _too_many_tokens(payload: dict[str, Any], limit: int) -> str | None:
+    """The field of ``payload`` asking for more than ``limit`` tokens, if one does (other values are the
+    engine's to judge)."""
+    for field in _TOKEN_FIELDS:
+        value = payload.get(field)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
+            return field
+    return None
+
+
+def create_app(
+    config: ServeConfig, supervisor: Supervisor | None = None, keys: Keys | None = None
+) -> FastAPI:
+    """The app; its lifespan starts the supervisor and, after the HTTP server drained, stops it. ``keys``:
+    the API keys every route but the probes needs (none: an open server)."""
     sup = supervisor or Supervisor(config)
+    keys = keys or Keys([])
+    max_tokens = config.server.max_tokens
     # One loopback connection per request: a kept-alive connection that the engine's HTTP server closes
     # (idle timeout) just as a request is sent on it fails that request, and a retry is not safe.
     upstream = httpx.AsyncClient(
@@ -111,11 +136,35 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
     app = FastAPI(title="elastic-kv serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.supervisor = sup
 
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if keys.enabled and request.url.path not in OPEN_PATHS:
+            key = keys.check(request.headers.get("authorization"))
+            if key is None:
+                reply = openai_error(401, "a valid API key is needed (Authorization: Bearer <key>)")
+                reply.headers["www-authenticate"] = "Bearer"
+                return reply
+            request.state.api_key = key
+        response: Response = await call_next(request)
+        return response
+
+    def allowed(request: Request, model: str) -> bool:
+        key: ApiKey | None = getattr(request.state, "api_key", None)
+        return key is None or key.allows(model)
+
     @app.get("/health")
     async def health() -> Response:
         if sup.closing:
             return openai_error(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if sup.closing:
+            return openai_error(503, "the server is shutting down")
+        if not sup.started_up:
+            return openai_error(503, "the server is starting its models")
+        return JSONResponse({"status": "ready"})
 
     @app.get("/status")
     async def status() -> Response:
@@ -126,7 +175,7 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
         return Response(sup.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         data = [
             {
                 "id": rt.name,
@@ -136,6 +185,7 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
                 "state": rt.state.value,
             }
             for rt in sup.models.values()
+            if allowed(request, rt.name)
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -165,7 +215,18 @@ def create_app(config: ServeConfig, supervisor: Supervisor | None = None) -> Fas
         try:
             rt = sup.model(name)
         except UnknownModel:
+            rt = None
+        if rt is None or not allowed(request, name):
             return openai_error(404, f"The model `{name}` does not exist.", "model")
+        if max_tokens is not None:
+            field = _too_many_tokens(payload, max_tokens)
+            if field is not None:
+                return openai_error(
+                    400, f"{field} is {payload[field]}, more than this server allows ({max_tokens})", field
+                )
+            if path == "/v1/chat/completions" and not any(f in payload for f in _TOKEN_FIELDS):
+                # chat's own default is "up to the context length": the server's limit applies instead
+                body = json.dumps({**payload, "max_tokens": max_tokens}).encode()
 
         def done(code: int) -> None:
             sup.metrics.requests.labels(name, path, str(code)).inc()

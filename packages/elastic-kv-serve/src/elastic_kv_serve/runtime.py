@@ -132,11 +132,15 @@ class ModelRuntime:
         self.error = error
         if state in WITHOUT_WEIGHTS:
             self.has_room = False
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake everyone waiting for a change (a state, or a request slot that freed)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def wait_change(self, timeout_s: float) -> bool:
-        """Wait for the next state change; False if ``timeout_s`` passed first."""
+        """Wait for the next change (:meth:`notify`); False if ``timeout_s`` passed first."""
         event = self._changed
         try:
             await asyncio.wait_for(event.wait(), max(0.0, timeout_s))

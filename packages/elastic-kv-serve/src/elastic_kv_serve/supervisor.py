@@ -2,10 +2,11 @@
 
 It runs on the server's event loop. Its contract with the router is :meth:`Supervisor.admit`: an async
 context manager that waits (bounded by ``wake_timeout_s``) until the model is awake -- waking it, making
-room for it, starting it or waiting for its restart -- then counts the request in flight and yields the
-engine's URL. A request is refused only when the model's wait queue is full (:class:`QueueFull`, HTTP
-429), its wait times out, it was given up on (``max_restarts`` failures in a row) or the server stops
-(:class:`ModelUnavailable`, HTTP 503); both say when to retry.
+room for it, starting it or waiting for its restart -- and has a free request slot (``max_in_flight``),
+then counts the request in flight and yields the engine's URL. A request is refused only when the model's
+wait queue is full (:class:`QueueFull`, HTTP 429), its wait times out, it was given up on
+(``max_restarts`` failures in a row) or the server stops (:class:`ModelUnavailable`, HTTP 503); both say
+when to retry.
 
 Device memory: the awake models' weights plus every pool's KV stay within ``[server] budget``. Waking or
 starting a model needs its weights plus the KV it held when idle; when that does not fit, idle models are
@@ -110,6 +111,7 @@ class Supervisor:
         }
         self.devices: set[str] = set()
         self.closing = False
+        self.started_up = False  # every model that starts at start-up has started (or failed to)
         self._budget = memory.BudgetKeeper(self.registry)
         self._memory_lock = asyncio.Lock()  # one make-room decision at a time
         self._host_lock = asyncio.Lock()  # one sleep-level decision (and its sleep) at a time
@@ -174,6 +176,8 @@ class Supervisor:
                 rt.has_room = True  # claimed now, so that the next model's fit counts it
                 starts.append(self._bring_up(rt, State.STARTING, deadline=None))
         await asyncio.gather(*starts)
+        self.started_up = True
+        logger.info("start-up done: %s", ", ".join(f"{r.name} {r.state.value}" for r in self.models.values()))
 
     async def shutdown(self) -> None:
         """Stop every engine (in-flight requests are drained by the HTTP server before this is called),
@@ -221,12 +225,13 @@ class Supervisor:
         if rt.queued >= srv.max_queued:
             raise QueueFull(f"model {rt.name} has {rt.queued} requests waiting already", retry_after_s=1)
         deadline = time.monotonic() + srv.wake_timeout_s
+        slots = self.config.max_in_flight(rt.config)
         rt.queued += 1
         try:
             while True:
                 if self.closing:
                     raise ModelUnavailable("the server is shutting down", retry_after_s=5)
-                if rt.state is State.AWAKE and rt.engine is not None:
+                if rt.state is State.AWAKE and rt.engine is not None and (not slots or rt.in_flight < slots):
                     url = rt.engine.url
                     break
                 if rt.state is State.STOPPED:
@@ -238,9 +243,13 @@ class Supervisor:
                     rt.set_state(State.WAKING)  # claimed now: concurrent requests wait for this wake
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    why = (
+                        f"serves {slots} requests at once and none ended"
+                        if rt.state is State.AWAKE
+                        else f"did not become ready ({rt.state.value})"
+                    )
                     raise ModelUnavailable(
-                        f"model {rt.name} did not become ready within {srv.wake_timeout_s:.0f} s "
-                        f"({rt.state.value})",
+                        f"model {rt.name} {why} within {srv.wake_timeout_s:g} s",
                         retry_after_s=max(1, int(srv.wake_timeout_s / 10)),
                     )
                 await rt.wait_change(remaining)
@@ -252,6 +261,7 @@ class Supervisor:
         finally:
             rt.in_flight -= 1
             rt.touch()
+            rt.notify()  # a request slot freed
 
     async def upstream_failed(self, rt: ModelRuntime) -> None:
         """The router lost a request to ``rt``'s engine: if the engine is dead, fail the model now (its
