@@ -71,7 +71,7 @@ def keyed(tmp_path: Path) -> TestClient:
     )
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/status", "/metrics"])
+@pytest.mark.parametrize("path", ["/v1/models", "/status"])
 @pytest.mark.parametrize("headers", [{}, _bearer("wrong"), {"authorization": "k-all"}, _bearer("")])
 def test_without_a_valid_key_every_route_but_the_probes_is_401(
     keyed: TestClient, path: str, headers: dict[str, str]
@@ -83,9 +83,17 @@ def test_without_a_valid_key_every_route_but_the_probes_is_401(
     assert body.status_code == 401  # refused before the body is read or a model woken
 
 
-def test_the_probes_need_no_key(keyed: TestClient) -> None:
+def test_the_probes_and_metrics_need_no_key(keyed: TestClient) -> None:
     assert keyed.get("/health").status_code == 200
     assert keyed.get("/ready").status_code == 503  # the lifespan (start-up) has not run in this client
+    assert keyed.get("/metrics").status_code == 200  # scrapers and routers read it
+
+
+def test_metrics_need_a_key_unless_public(tmp_path: Path) -> None:
+    client = _client(tmp_path, api_keys=["k"], public_metrics=False)
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=_bearer("k")).status_code == 200
+    assert client.get("/health").status_code == 200
 
 
 @pytest.mark.parametrize("key", ["k-all", "k-file", "k-env"])

@@ -3,10 +3,11 @@
 Keys come from ``[server] api_keys`` (a string, or ``{ key = "...", models = [...] }`` for a key limited to
 some models), from ``api_key_file`` (one key per line; blank lines and lines starting with ``#`` are
 skipped), from the environment variable ``ELASTIC_KV_API_KEY`` and from ``--api-key``. Clients send one the
-way OpenAI clients do, ``Authorization: Bearer <key>``. When any key is configured, every route but
-``/health`` and ``/ready`` (the probes) needs one: without a valid key the answer is 401. Keys are compared
-in constant time, each presented key against every configured key, so the answer's timing tells nothing
-about which key nearly matched. A key limited to some models sees only those: others are 404, as an
+way OpenAI clients do, ``Authorization: Bearer <key>``. When any key is configured, every route needs one
+but ``/health`` and ``/ready`` (the probes) and ``/metrics`` (for scrapers and routers, as vLLM's server
+has it; with ``public_metrics = false`` it needs a key too): without a valid key the answer is 401. Keys are
+compared in constant time, each presented key against every configured key, so the answer's timing tells
+nothing about which key nearly matched. A key limited to some models sees only those: others are 404, as an
 unknown model is, and ``/v1/models`` lists only its own.
 
 A server that listens beyond loopback without a key would let anyone who can reach its port use every
@@ -26,10 +27,14 @@ from elastic_kv.errors import ConfigError
 
 from elastic_kv_serve.config import ServerConfig
 
-__all__ = ["ENV_KEY", "OPEN_PATHS", "ApiKey", "Keys", "check_exposure", "load_keys"]
+__all__ = ["ENV_KEY", "ApiKey", "Keys", "check_exposure", "load_keys", "open_paths"]
 
 ENV_KEY = "ELASTIC_KV_API_KEY"
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes answer without a key
+
+
+def open_paths(server: ServerConfig) -> frozenset[str]:
+    """The routes that answer without a key: the probes, and ``/metrics`` unless ``public_metrics`` is off."""
+    return frozenset({"/health", "/ready", *(["/metrics"] if server.public_metrics else [])})
 
 
 @dataclass(frozen=True, slots=True)

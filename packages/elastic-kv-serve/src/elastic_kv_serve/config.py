@@ -8,6 +8,7 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     api_keys = ["sk-...", { key = "sk-team", models = ["llama-a"] }]   # clients send one as a bearer token
     api_key_file = "/run/secrets/elastic-kv-keys"   # more keys, one per line (also ELASTIC_KV_API_KEY)
     allow_unauthenticated = false   # needed to listen beyond loopback without a key
+    public_metrics = true       # /metrics answers without a key (scrapers, routers); false: it needs one
     ssl_certfile = "/etc/elastic-kv/tls.crt"   # HTTPS (with ssl_keyfile)
     ssl_keyfile = "/etc/elastic-kv/tls.key"
     registry_dir = "/dev/shm/elastic-kv-1000"   # pool records (kvctl); default: elastic-kv's own
@@ -139,6 +140,7 @@ class ServerConfig(_Table):
     api_keys: list[Annotated[str, Field(min_length=1)] | KeyConfig] = Field(default_factory=list)
     api_key_file: Path | None = None
     allow_unauthenticated: bool = False
+    public_metrics: bool = True
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     registry_dir: Path | None = None

@@ -10,7 +10,8 @@ Routes::
     GET  /status                 the supervisor's state (``elastic-kv status`` reads it)
     GET  /metrics                Prometheus text format
 
-With API keys configured (:mod:`elastic_kv_serve.auth`), every route but the two probes needs one.
+With API keys configured (:mod:`elastic_kv_serve.auth`), every route but the two probes and ``/metrics``
+needs one.
 
 Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a body that is
 not a JSON object with a string ``model``, or that asks for more than ``max_tokens`` tokens; 401 without a
@@ -37,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from elastic_kv_serve.auth import OPEN_PATHS, ApiKey, Keys
+from elastic_kv_serve.auth import ApiKey, Keys, open_paths
 from elastic_kv_serve.config import ServeConfig
 from elastic_kv_serve.runtime import ModelRuntime
 from elastic_kv_serve.supervisor import ModelUnavailable, QueueFull, Supervisor, UnknownModel
@@ -115,6 +116,7 @@ def create_app(
     the API keys every route but the probes needs (none: an open server)."""
     sup = supervisor or Supervisor(config)
     keys = keys or Keys([])
+    unlocked = open_paths(config.server)
     max_tokens = config.server.max_tokens
     # One loopback connection per request: a kept-alive connection that the engine's HTTP server closes
     # (idle timeout) just as a request is sent on it fails that request, and a retry is not safe.
@@ -138,7 +140,7 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if keys.enabled and request.url.path not in OPEN_PATHS:
+        if keys.enabled and request.url.path not in unlocked:
             key = keys.check(request.headers.get("authorization"))
             if key is None:
                 reply = openai_error(401, "a valid API key is needed (Authorization: Bearer <key>)")
