@@ -328,7 +328,8 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
 
 def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
     """Three models of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a token;
-    a model may be suspended once awake 1 s and takes its turn back after 3 s suspended."""
+    a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All three are
+    preloaded: ``a`` and ``b`` end up awake, ``c`` asleep at level 1 (its wake is a copy, not a start)."""
 
     def toy(name: str, seed: int) -> dict[str, Any]:
         model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M")
@@ -340,7 +341,7 @@ def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
     return ServeProcess(
         tmp_path / "serve",
         {"budget": "35M", "host_budget": "40M", "min_awake_s": 1, "max_suspend_s": 3,
-         "wake_timeout_s": 120},
+         "wake_timeout_s": 120, "preload": True},
         [toy("a", 1), toy("b", 2), toy("c", 3)],
     )  # fmt: skip
 
@@ -357,6 +358,7 @@ class _Turns:
     """Two models serving and a third asked for (:func:`_two_serving_then_c`)."""
 
     srv: ServeProcess
+    oldest: str  # of a and b, the one awake longest: a suspension's first choice
     first: dict[str, Future[httpx.Response]]  # a's and b's requests
     third: Future[httpx.Response]  # c's request
     asked_at: float  # when c was asked for (monotonic)
@@ -378,41 +380,44 @@ def _two_serving_then_c(tmp_path: Path, n_ab: int, n_c: int, **server: Any) -> I
             assert time.monotonic() < deadline, srv.status()
             time.sleep(0.1)
         time.sleep(1.0)  # both awake past min_awake_s
+        status = srv.status()
+        oldest = min("ab", key=lambda n: _transitions(status, n, "start")[-1]["at"])
         asked_at = time.monotonic()
-        yield _Turns(srv, first, pool.submit(_ask_timed, srv, "c", n_c, done), asked_at, done)
+        yield _Turns(srv, oldest, first, pool.submit(_ask_timed, srv, "c", n_c, done), asked_at, done)
     finally:
         srv.stop()  # first: requests still open end with the server
         pool.shutdown()
 
 
 def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp_path: Path) -> None:
-    """``a`` and ``b`` serve 10 s requests and fill the budget; a request to ``c`` suspends ``a`` (awake
-    longest) instead of waiting for either to finish. ``a`` keeps its request in its engine, gives its KV
-    back and, 3 s later, takes its turn back from ``b`` (the one awake since before ``a`` was suspended).
-    Every answer is the one each model's weights give, and no model is left suspended."""
+    """``a`` and ``b`` serve 10 s requests and fill the budget; a request to ``c`` suspends the one awake
+    longest instead of waiting for either to finish. That one keeps its request in its engine, gives its KV
+    back and, 3 s later, takes its turn back from the other (awake since before the suspension). Every
+    answer is the one each model's weights give, and no model is left suspended."""
     with _two_serving_then_c(tmp_path, 40, 40) as turns:
-        srv = turns.srv
+        srv, victim = turns.srv, turns.oldest
+        other = "b" if victim == "a" else "a"
         srv.wait_for({"c": "awake"}, timeout_s=30)
         woke_s = time.monotonic() - turns.asked_at
         status = srv.status()
-        assert status["a"]["state"] == "asleep" and status["a"]["suspended"], status["a"]
+        assert status[victim]["state"] == "asleep" and status[victim]["suspended"], status[victim]
         assert not any(f.done() for f in turns.first.values()), "a request ended before c woke"
         assert woke_s < 8.0, f"c waited {woke_s:.1f} s: for a request to end, not for a suspension"
-        (suspend,) = _transitions(status, "a", "suspend")
-        assert suspend["level"] == "1" and status["a"]["in_flight"] == 1
-        assert status["a"]["kv_bytes"] < 2 * MiB, "the suspended engine kept its requests' KV"
+        (suspend,) = _transitions(status, victim, "suspend")
+        assert suspend["level"] == "1" and status[victim]["in_flight"] == 1
+        assert status[victim]["kv_bytes"] < 2 * MiB, "the suspended engine kept its requests' KV"
         replies = {m: f.result(timeout=120) for m, f in [*turns.first.items(), ("c", turns.third)]}
         for m, reply in replies.items():
             assert _text(reply) == _expected(tmp_path, m, m, 40)
         status = srv.status()
-        assert [t["kind"] for t in status["a"]["transitions"]][-2:] == ["suspend", "resume"]
-        assert _transitions(status, "b", "suspend"), "a did not take its turn back from b"
+        assert [t["kind"] for t in status[victim]["transitions"]][-2:] == ["suspend", "resume"]
+        assert _transitions(status, other, "suspend"), f"{victim} did not take its turn back from {other}"
         assert not any(m["suspended"] for m in status.values())
-        stats = httpx.get(f"http://127.0.0.1:{status['a']['port']}/stats", timeout=10).json()
+        stats = httpx.get(f"http://127.0.0.1:{status[victim]['port']}/stats", timeout=10).json()
         assert stats["suspended"] >= 1 and stats["preemptions"] >= 1, stats
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-        assert f'elastic_kv_serve_model_suspends_total{{model="a"}} {status["a"]["suspends"]:.1f}' in metrics
-        assert 'elastic_kv_serve_model_suspended{model="a"} 0.0' in metrics
+        line = f'elastic_kv_serve_model_suspends_total{{model="{victim}"}} {status[victim]["suspends"]:.1f}'
+        assert line in metrics and f'elastic_kv_serve_model_suspended{{model="{victim}"}} 0.0' in metrics
 
 
 def test_an_engine_that_refuses_a_suspension_keeps_serving(tmp_path: Path) -> None:
@@ -433,21 +438,23 @@ def test_an_engine_that_refuses_a_suspension_keeps_serving(tmp_path: Path) -> No
 
 
 def test_a_suspended_engine_that_dies_fails_its_request_and_is_started_again(tmp_path: Path) -> None:
-    """``a`` is suspended for ``c`` and then killed: its kept request gets an error, its pool record and
-    arena extent are given back, and its next request cold-starts it; the others are unaffected."""
+    """The model awake longest is suspended for ``c`` and then killed: its kept request gets an error, its
+    pool record and arena extent are given back, and its next request cold-starts it; the others are
+    unaffected."""
     with _two_serving_then_c(tmp_path, 40, 8) as turns:
-        srv = turns.srv
+        srv, victim = turns.srv, turns.oldest
+        other = "b" if victim == "a" else "a"
         srv.wait_for({"c": "awake"}, timeout_s=30)
         status = srv.status()
-        assert status["a"]["suspended"] and status["a"]["host_bytes"] == 10 * MiB, status["a"]
-        os.kill(status["a"]["pid"], signal.SIGKILL)
-        lost = turns.first["a"].result(timeout=60)
+        assert status[victim]["suspended"] and status[victim]["host_bytes"] == 10 * MiB, status[victim]
+        os.kill(status[victim]["pid"], signal.SIGKILL)
+        lost = turns.first[victim].result(timeout=60)
         assert lost.status_code >= 500, lost.text
         deadline = time.monotonic() + 30
-        while (a := srv.status()["a"])["pid"] is not None or a["host_bytes"] or a["suspended"]:
-            assert time.monotonic() < deadline, a
+        while (gone := srv.status()[victim])["pid"] is not None or gone["host_bytes"] or gone["suspended"]:
+            assert time.monotonic() < deadline, gone
             time.sleep(0.2)
-        assert _text(turns.first["b"].result(timeout=120)) == _expected(tmp_path, "b", "b", 40)
+        assert _text(turns.first[other].result(timeout=120)) == _expected(tmp_path, other, other, 40)
         assert _text(turns.third.result(timeout=120)) == _expected(tmp_path, "c", "c", 8)
-        assert _text(_ask(srv, "a", "again")) == _expected(tmp_path, "a", "again")
-        assert _transitions(srv.status(), "a", "wake")[-1]["level"] == "cold"
+        assert _text(_ask(srv, victim, "again")) == _expected(tmp_path, victim, "again")
+        assert _transitions(srv.status(), victim, "wake")[-1]["level"] == "cold"
