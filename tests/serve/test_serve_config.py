@@ -59,8 +59,20 @@ def test_server_defaults_apply() -> None:
 @pytest.mark.parametrize(
     ("data", "named"),
     [
-        ({"server": {"prot": 1}, "models": [{"name": "m", "model": "/m"}]}, "server.prot: unknown key"),
+        ({"server": {"prot": 1}, "models": [{"name": "m", "model": "/m"}]},
+         "server.prot: unknown key (did you mean port?)"),
+        ({"server": {"idle_sleep": 1}, "models": [{"name": "m", "model": "/m"}]},
+         "server.idle_sleep: unknown key (did you mean idle_sleep_s?)"),
+        ({"sever": {}, "models": [{"name": "m", "model": "/m"}]},
+         "sever: unknown key (did you mean server?)"),
+        ({"server": {"api_keys": [{"key": "k", "modles": []}]}, "models": [{"name": "m", "model": "/m"}]},
+         "server.api_keys[0].modles: unknown key (did you mean models?)"),
+        ({"server": {"api_keys": [3]}, "models": [{"name": "m", "model": "/m"}]},
+         'server.api_keys[0]: expected a key ("sk-...") or a table'),
+        ({"server": {"ssl_certfile": "/c"}, "models": [{"name": "m", "model": "/m"}]},
+         "ssl_certfile and ssl_keyfile go together"),
         ({"models": [{"name": "m", "model": "/m", "idle": 3}]}, "models[0].idle: unknown key"),
+        ({"models": [{"name": "m", "model": "/m", "zzzz": 3}]}, "models[0].zzzz: unknown key"),
         ({"models": [{"name": "m", "model": "/m", "engine": "tgi"}]}, "models[0].engine"),
         ({"models": [{"name": "m", "model": "/m"}, {"name": "n", "model": "/n", "priority": "hi"}]},
          "models[1].priority"),
@@ -144,7 +156,9 @@ def test_cli_refuses_a_bad_config_with_one_line(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"elastic-kv: error: {path}: models[0].sleepy: unknown key"]
+    assert done.stderr.strip().splitlines() == [
+        f"elastic-kv: error: {path}: models[0].sleepy: unknown key (did you mean sleep_path?)"
+    ]
 
 
 def test_a_host_budget_the_host_cannot_give_stops_the_server_with_one_line(tmp_path: Path) -> None:

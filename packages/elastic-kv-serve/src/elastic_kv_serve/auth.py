@@ -82,8 +82,7 @@ def load_keys(
     :class:`ConfigError` (one line) for a key file that cannot be read or holds no key, or an empty key."""
     env = os.environ if environ is None else environ
     keys = [
-        ApiKey(e.encode()) if isinstance(e, str) else ApiKey(e.key.encode(), frozenset(e.models))
-        for e in server.api_keys
+        ApiKey(e.key.encode(), None if e.models is None else frozenset(e.models)) for e in server.api_keys
     ]
     if server.api_key_file is not None:
         try:

@@ -64,10 +64,11 @@ Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with o
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import tomllib
 from elastic_kv.errors import ConfigError
@@ -126,10 +127,19 @@ _PATH_KEYS = ("registry_dir", "log_dir", "host_arena_dir", "api_key_file", "ssl_
 
 
 class KeyConfig(_Table):
-    """An API key limited to some models (an entry of ``api_keys``)."""
+    """An entry of ``api_keys``: a key, and the models it may use (``None``: every model). A plain string in
+    the config is a key to every model."""
 
     key: Annotated[str, Field(min_length=1)]
-    models: list[str]
+    models: list[str] | None = None
+
+
+def _key_entry(value: Any) -> Any:
+    if isinstance(value, str):
+        return {"key": value}
+    if not isinstance(value, dict | KeyConfig):
+        raise ValueError('expected a key ("sk-...") or a table { key = "...", models = [...] }')
+    return value
 
 
 class ServerConfig(_Table):
@@ -137,7 +147,7 @@ class ServerConfig(_Table):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    api_keys: list[Annotated[str, Field(min_length=1)] | KeyConfig] = Field(default_factory=list)
+    api_keys: list[Annotated[KeyConfig, BeforeValidator(_key_entry)]] = Field(default_factory=list)
     api_key_file: Path | None = None
     allow_unauthenticated: bool = False
     public_metrics: bool = True
@@ -256,7 +266,7 @@ class ServeConfig(_Table):
                     )
                 seen[key] = model.name
         for i, entry in enumerate(self.server.api_keys):
-            unknown = [m for m in getattr(entry, "models", ()) if m not in seen]
+            unknown = [m for m in entry.models or () if m not in seen]
             if unknown:
                 raise ValueError(f"server.api_keys[{i}]: no model is called {unknown[0]!r}")
         return self
@@ -272,6 +282,22 @@ class ServeConfig(_Table):
         return self.server.idle_sleep_s if model.idle_sleep_s is None else model.idle_sleep_s
 
 
+def _table_of(loc: Sequence[Any]) -> type[BaseModel]:
+    """The table (model class) that holds the key at the end of ``loc``."""
+    table: type[BaseModel] = ServeConfig
+    for part in loc[:-1]:
+        if not isinstance(part, str) or part not in table.model_fields:
+            continue
+        stack = [table.model_fields[part].annotation]
+        while stack:
+            kind = stack.pop()
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                table = kind
+                break
+            stack.extend(get_args(kind))
+    return table
+
+
 def _first_error(exc: ValidationError, source: str) -> ConfigError:
     err = exc.errors()[0]
     loc = ""
@@ -280,6 +306,9 @@ def _first_error(exc: ValidationError, source: str) -> ConfigError:
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         message = "unknown key"
+        close = difflib.get_close_matches(str(err["loc"][-1]), list(_table_of(err["loc"]).model_fields), n=1)
+        if close:
+            message += f" (did you mean {close[0]}?)"
     return ConfigError(f"{source}: {loc or 'config'}: {message}")
 
 
