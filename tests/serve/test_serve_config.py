@@ -3,6 +3,7 @@ one line naming the key, ``--model NAME=PATH`` builds the same objects, and the 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,38 @@ def test_a_host_budget_the_host_cannot_give_stops_the_server_with_one_line(tmp_p
     assert len(errors) == 1
     assert errors[0].startswith("elastic-kv: error: server.host_budget: 97.7 TiB is more than the host")
     assert not list((tmp_path / "registry").glob("*.arena"))
+
+
+def _serve(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_kv_serve", "serve", *args],
+        capture_output=True, text=True, timeout=120, check=False, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_a_model_path_that_does_not_exist_is_refused_in_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    done = _serve("--model", f"tiny={missing}")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"elastic-kv: error: models[0].model: {missing} does not exist"
+    ]
+    relative = _serve("--model", "tiny=./nothing-here", cwd=tmp_path)
+    assert relative.returncode == 2 and "models[0].model: ./nothing-here does not exist" in relative.stderr
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "registry").mkdir(mode=0o700)
+        done = _serve(
+            "--model", f"m={tmp_path}", "--port", str(port), "--registry-dir", str(tmp_path / "registry")
+        )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"elastic-kv: error: server.port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+    assert "serving" not in done.stderr and not list((tmp_path / "registry").iterdir())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,25 @@ def _load(args: argparse.Namespace) -> Any:
     return config
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now so that a port in use stops the server before anything
+    starts; :class:`ConfigError` (one line) when it cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"server.host: cannot listen on {host}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"server.port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def _check_tls(srv: Any) -> None:
     """:class:`ConfigError` (one line) when the certificate and key cannot serve TLS."""
     import ssl
@@ -95,19 +115,26 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from elastic_kv_serve.auth import check_exposure, load_keys
+    from elastic_kv_serve.config import check_model_paths
     from elastic_kv_serve.engines import EngineStartError
     from elastic_kv_serve.router import create_app
     from elastic_kv_serve.supervisor import Supervisor
 
     config = _load(args)
+    check_model_paths(config)
     keys = load_keys(config.server, extra=args.api_key or ())
     check_exposure(config.server, keys)
     _check_tls(config.server)
+    sock = _listen(config.server.host, config.server.port)
     supervisor = Supervisor(config)
     try:
         supervisor.prepare()
     except EngineStartError as exc:
+        sock.close()
         raise ConfigError(str(exc)) from None
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(config, supervisor, keys)
     srv = config.server
     scheme = "https" if srv.ssl_certfile is not None else "http"
@@ -128,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
             access_log=args.log_level == "debug",
         )
     )
-    uv.run()
+    uv.run(sockets=[sock])
     return 0 if uv.started else 1
 
 

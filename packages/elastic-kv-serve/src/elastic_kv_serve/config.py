@@ -80,6 +80,7 @@ __all__ = [
     "ModelConfig",
     "ServeConfig",
     "ServerConfig",
+    "check_model_paths",
     "load_config",
     "parse_config",
     "pool_name_for",
@@ -280,6 +281,16 @@ class ServeConfig(_Table):
         if model.pinned:
             return 0.0
         return self.server.idle_sleep_s if model.idle_sleep_s is None else model.idle_sleep_s
+
+
+def check_model_paths(config: ServeConfig) -> None:
+    """:class:`ConfigError` (one line) for a vLLM or SGLang model given as a local path (``/...``, ``./...``,
+    ``../...``, ``~...``) that does not exist; other values are hub ids, the engine's to resolve."""
+    for i, model in enumerate(config.models):
+        if model.engine == "command" or not model.model.startswith(("/", "./", "../", "~")):
+            continue
+        if not Path(model.model).expanduser().exists():
+            raise ConfigError(f"models[{i}].model: {model.model} does not exist")
 
 
 def _table_of(loc: Sequence[Any]) -> type[BaseModel]:

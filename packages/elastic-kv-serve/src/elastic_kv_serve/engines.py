@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,7 +33,7 @@ from elastic_kv.host import ENV_HOST_ARENA
 from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.kinds import SleepMode, kind_of
 
-__all__ = ["EngineProcess", "EngineStartError", "engine_env"]
+__all__ = ["EngineProcess", "EngineStartError", "cause_in_log", "engine_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,36 @@ _PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
-    """An engine exited or did not answer ``/health`` in time while starting; the message has its log tail."""
+    """An engine exited or did not answer ``/health`` in time while starting. ``cause``: the line of its log
+    that says why (:func:`cause_in_log`), if it exited."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# A line that names what went wrong: "ValueError: ...", "torch.OutOfMemoryError: ...", "... ERROR ... msg".
+_CAUSE = re.compile(r"(?:^|[\s\]])(?:\w+\.)*(\w+(?:Error|Exception|Exit))(?::\s*(.*))?$")
+
+
+# A wrapper's message (vLLM's front end over its engine core): the cause is an earlier line.
+_POINTS_BACK = ("root cause above", "see above")
+
+
+def cause_in_log(text: str, limit: int = 300) -> str:
+    """The last line of an engine's log that names an exception (``SomeError: message``) other than one that
+    points back at an earlier one, else that one, else the log's last non-empty line; at most ``limit``
+    characters."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    wrapper = None
+    for line in reversed(lines):
+        match = _CAUSE.search(line)
+        if match:
+            found = f"{match.group(1)}: {match.group(2)}" if match.group(2) else match.group(1)
+            if not any(p in found.lower() for p in _POINTS_BACK):
+                return found[:limit]
+            wrapper = wrapper or found
+    return (wrapper or (lines[-1] if lines else "(empty log)"))[:limit]
 
 
 def free_port() -> int:
@@ -135,16 +165,14 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
+                cause = cause_in_log(self.log_tail(200))
                 raise EngineStartError(
-                    f"engine of {self.name} exited with {self.proc.returncode} while starting; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
+                    f"engine of {self.name} exited with {self.proc.returncode} while starting: {cause}", cause
                 )
             if await self.healthy(client):
                 return
             await asyncio.sleep(0.5)
-        raise EngineStartError(
-            f"engine of {self.name} did not become healthy in {timeout_s:.0f} s; log {self.log_path}"
-        )
+        raise EngineStartError(f"engine of {self.name} did not become healthy in {timeout_s:.0f} s")
 
     async def healthy(self, client: httpx.AsyncClient, timeout_s: float = 5.0) -> bool:
         try:

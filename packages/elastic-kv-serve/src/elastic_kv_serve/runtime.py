@@ -97,6 +97,7 @@ class ModelRuntime:
     sleeps: int = 0
     restarts: int = 0
     failures: int = 0  # consecutive failed starts or deaths; reset once it serves
+    start_cause: str | None = None  # why its last start failed (the engine log's line), until it serves
     error: str | None = None
     wake_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     sleep_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1000))

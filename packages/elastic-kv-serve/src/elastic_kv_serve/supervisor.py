@@ -311,7 +311,10 @@ class Supervisor:
             except _NoRoomYet:
                 rt.set_state(State.ASLEEP)
                 return
-            except (EngineStartError, httpx.HTTPError) as exc:
+            except EngineStartError as exc:
+                await self._failed(rt, f"EngineStartError: {exc}", start_cause=exc.cause)
+                return
+            except httpx.HTTPError as exc:
                 await self._failed(rt, f"{type(exc).__name__}: {exc}".splitlines()[0])
                 return
             took = time.monotonic() - t0
@@ -322,6 +325,7 @@ class Supervisor:
             rt.sleep_level = None
             rt.suspended = False
             rt.failures = 0
+            rt.start_cause = None
             rt.touch()
             rt.awake_since = time.monotonic()
             rt.set_state(State.AWAKE)
@@ -536,8 +540,9 @@ class Supervisor:
             took,
         )
 
-    async def _failed(self, rt: ModelRuntime, error: str) -> None:
-        """Mark ``rt`` failed, clean its engine up, restart it with back-off (up to ``max_restarts``)."""
+    async def _failed(self, rt: ModelRuntime, error: str, start_cause: str | None = None) -> None:
+        """Mark ``rt`` failed, clean its engine up, restart it with back-off (up to ``max_restarts``; a start
+        that failed with the same ``start_cause`` as the one before it is not retried)."""
         srv = self.config.server
         if rt.engine is not None:
             log = rt.engine.log_path
@@ -548,8 +553,12 @@ class Supervisor:
         rt.suspended = False
         await self._reclaim()
         rt.failures += 1
+        repeated = start_cause is not None and start_cause == rt.start_cause
+        rt.start_cause = start_cause
+        if repeated:
+            error += "; it failed the same way twice: not restarted"
         logger.error("model %s failed: %s", rt.name, error)
-        if rt.failures > srv.max_restarts or self.closing:
+        if repeated or rt.failures > srv.max_restarts or self.closing:
             rt.set_state(State.STOPPED, error)
             return
         rt.set_state(State.FAILED, error)
