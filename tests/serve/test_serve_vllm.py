@@ -263,3 +263,29 @@ def test_shutdown_drains_requests_and_leaves_nothing_behind(server: ServeProcess
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=5)
     assert not list(Path(server.registry).glob("*.pool"))
+
+
+def test_an_engine_that_cannot_start_names_its_cause_and_is_not_retried_after_the_same_failure_twice(
+    tmp_path: Path,
+) -> None:
+    """vLLM refuses the model's arguments at start-up (a context longer than the model's): the server shows
+    the engine's own error line, stops the model after the same failure twice (not ``max_restarts`` times),
+    and a request for it gets 503 with that line."""
+    (tmp_path / "s").mkdir()
+    args = [*VLLM_CPU_ARGS, "--max-model-len", "999999"]  # the last value wins; the tiny model has 2048
+    srv = ServeProcess(
+        tmp_path / "s",
+        {"max_restarts": 5, "restart_backoff_s": 0.2},
+        [{"name": "bad", "engine": "vllm", "model": str(tiny_model(DISTINCT_SPECS[0])), "args": args,
+          "env": POOL_ENV}],
+    )  # fmt: skip
+    try:
+        status = srv.wait_for({"bad": "stopped"}, timeout_s=600)["bad"]
+        assert status["restarts"] == 1, status  # the first start and one retry
+        error = status["error"]
+        assert "\n" not in error and "max_model_len" in error and "Error: " in error, error
+        assert error.endswith("; it failed the same way twice: not restarted") and error.count("(log ") == 1
+        reply = _complete(srv.url, "bad")
+        assert reply.status_code == 503 and "max_model_len" in reply.json()["error"]["message"]
+    finally:
+        srv.stop()

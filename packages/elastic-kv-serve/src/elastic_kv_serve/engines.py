@@ -58,19 +58,26 @@ _POINTS_BACK = ("root cause above", "see above")
 
 
 def cause_in_log(text: str, limit: int = 300) -> str:
-    """The last line of an engine's log that names an exception (``SomeError: message``) other than one that
-    points back at an earlier one, else that one, else the log's last non-empty line; at most ``limit``
-    characters."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    """The last line of an engine's log that names an exception (``SomeError: message``, with the indented
+    lines that continue it, as pydantic's errors have) other than one that points back at an earlier one,
+    else that one, else the log's last non-empty line; at most ``limit`` characters."""
+    raw = text.splitlines()
     wrapper = None
-    for line in reversed(lines):
-        match = _CAUSE.search(line)
-        if match:
-            found = f"{match.group(1)}: {match.group(2)}" if match.group(2) else match.group(1)
-            if not any(p in found.lower() for p in _POINTS_BACK):
-                return found[:limit]
-            wrapper = wrapper or found
-    return (wrapper or (lines[-1] if lines else "(empty log)"))[:limit]
+    for i in range(len(raw) - 1, -1, -1):
+        match = _CAUSE.search(raw[i].strip())
+        if not match:
+            continue
+        parts = [f"{match.group(1)}: {match.group(2)}" if match.group(2) else match.group(1)]
+        for more in raw[i + 1 :]:
+            if not more[:1].isspace() or more.strip().startswith("For further information"):
+                break
+            parts.append(more.strip())
+        found = " ".join(parts)
+        if not any(p in found.lower() for p in _POINTS_BACK):
+            return found[:limit]
+        wrapper = wrapper or found
+    last = next((line.strip() for line in reversed(raw) if line.strip()), "(empty log)")
+    return (wrapper or last)[:limit]
 
 
 def free_port() -> int:
