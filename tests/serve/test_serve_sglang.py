@@ -62,6 +62,24 @@ def test_routes_to_sglang_like_the_engine_alone(server: ServeProcess) -> None:
     assert pools["serve.s"].engine == "sglang"
 
 
+def test_an_idle_engine_does_not_spin(server: ServeProcess) -> None:
+    """With ``--sleep-on-idle`` (in the project's SGLang CPU arguments) an idle SGLang engine's processes
+    take well under a core, where its scheduler's busy loop would take a whole one."""
+    import time
+
+    pid = server.status()["s"]["pid"]
+    family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    time.sleep(2.0)  # the last request's tail work is done
+
+    def cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in family if p.is_running())
+
+    before, t0 = cpu(), time.monotonic()
+    time.sleep(4.0)
+    share = (cpu() - before) / (time.monotonic() - t0)
+    assert share < 0.35, f"the idle engine took {share:.0%} of a core"
+
+
 def test_shutdown_leaves_nothing_behind(server: ServeProcess) -> None:
     pid = server.status()["s"]["pid"]
     family = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]

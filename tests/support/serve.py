@@ -27,9 +27,10 @@ from tests.support.models import REPO_ROOT
 VLLM_CPU_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
                  "--kv-cache-memory-bytes", "32M", "--seed", "0"]  # fmt: skip
 # SGLang's CPU engine for a tiny model (see tests/support/sglang_engine.py).
+# --sleep-on-idle: an idle SGLang scheduler otherwise polls in a busy loop, a core at 100 %.
 SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                    "--dtype", "float32", "--max-total-tokens", "16384", "--page-size", "16",
-                   "--random-seed", "0", "--log-level", "warning"]  # fmt: skip
+                   "--random-seed", "0", "--log-level", "warning", "--sleep-on-idle"]  # fmt: skip
 # 64 KiB pages: one block of a tiny model per page and layer, so KV memory follows a few requests.
 POOL_ENV = {"ELASTIC_KV_PAGE_SIZE": "64K", "ELASTIC_KV_RESERVE_MIN": "1", "ELASTIC_KV_RESERVE_MAX": "4"}
 
