@@ -13,7 +13,11 @@ registry that ``kvctl`` reads) four times a second. The demo ends with a one-lin
 every burst's model grew its KV and gave it back afterwards, and some model slept and woke on demand;
 otherwise it exits non-zero.
 
-    python examples/serve_demo.py [--requests 16] [--max-tokens 160] [--engine sglang|vllm] [--keep-logs]
+At the end it prints the endpoint and three commands to try next (a completion, ``elastic-kv status``,
+``kvctl list``); with ``--keep`` the server stays up for them until Ctrl-C.
+
+    python examples/serve_demo.py [--requests 16] [--max-tokens 160] [--engine sglang|vllm] [--keep]
+                                  [--keep-logs]
 """
 
 from __future__ import annotations
@@ -119,9 +123,13 @@ class View(threading.Thread):
         cells = "  ".join(f"{n}:{m['state']:<8} KV {m['kv_bytes'] / MiB:5.2f} MiB" for n, m in status.items())
         line = f"{self.phase:<16} {cells}"
         states = self.phase + "".join(m["state"] for m in status.values())
-        # Every change of phase or state at once; memory changes at most once a second.
-        if states != self._last_states or (line != self._last_line and t - self._last_t >= 1.0):
-            print(f"  {t:6.1f}s  {line}", flush=True)
+        # Every change of phase or state at once; memory changes at most once a second; while nothing
+        # changes (a cold start takes a minute or more on 2 cores), a line every 15 s says what it waits for.
+        waiting = [f"{n} {m['state']}" for n, m in status.items() if m["state"] in ("starting", "waking")]
+        quiet = t - self._last_t >= 15.0
+        if states != self._last_states or (line != self._last_line and t - self._last_t >= 1.0) or quiet:
+            note = f"  (waiting: {', '.join(waiting)})" if quiet and waiting else ""
+            print(f"  {t:6.1f}s  {line}{note}", flush=True)
             self._last_line, self._last_states, self._last_t = line, states, t
 
 
@@ -155,6 +163,9 @@ def main() -> int:
         default=0.0,
         help="seconds idle before a model sleeps (default 0: only to make room)",
     )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the server up at the end (Ctrl-C stops it) to try it"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the server's and engines' logs")
     args = parser.parse_args()
 
@@ -172,6 +183,7 @@ def main() -> int:
         print(f"  {m['name']:<6} {m['engine']:<7} {m['model']}")
     server = ServeProcess(work, server_cfg, models)
     print(f"  elastic-kv serve --config {server.config}  (log {server.log_path})")
+    print(f"  endpoint: {server.url}/v1 (OpenAI API); the first start of an engine takes a minute or more")
     timeline = Timeline()
     console = Console()
     ok = False
@@ -210,6 +222,11 @@ def main() -> int:
             print(f"    {line}")
         status = server.status()
         ok = summarize(timeline, status, plan)
+        next_steps(server, args.keep)
+        if args.keep:
+            with contextlib.suppress(KeyboardInterrupt):
+                while server.proc.poll() is None:
+                    time.sleep(1)
     finally:
         code = server.stop()
         if code != -signal.SIGTERM:  # a drained server exits by the SIGTERM it got
@@ -220,6 +237,17 @@ def main() -> int:
         else:
             print(f"  logs kept in {work}")
     return 0 if ok else 1
+
+
+def next_steps(server: ServeProcess, keep: bool) -> None:
+    """What to try against the server: a completion, its status, the pools (the server's own registry)."""
+    bin_dir = Path(sys.executable).parent
+    body = '{"model": "alpha", "prompt": "pages are mapped", "max_tokens": 16}'
+    when = "the server stays up until Ctrl-C" if keep else "rerun with --keep to keep the server up"
+    print(f"\nTry it ({when}):")
+    print(f"  curl -s {server.url}/v1/completions -H 'content-type: application/json' -d '{body}'")
+    print(f"  {bin_dir / 'elastic-kv'} status --url {server.url}")
+    print(f"  {bin_dir / 'kvctl'} --registry-dir {server.registry} list")
 
 
 def summarize(timeline: Timeline, status: dict[str, Any], plan: list[tuple[str, str]]) -> bool:
