@@ -466,16 +466,16 @@ class Supervisor:
         kind = kind_of(rt.config)
         async with self._host_lock:
             level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
+            if not level:  # the host arena filled since the choice: a stop would lose its requests
+                rt.set_state(State.AWAKE)
+                return
             try:
-                if not level:
-                    raise RuntimeError("the host has no room for its weights")
                 await kind.sleep(self.client, engine.url, rt.config, level, keep=True)
-            except (httpx.HTTPError, RuntimeError) as exc:
+            except httpx.HTTPError as exc:
                 logger.warning("model %s was not suspended for %s: %s", rt.name, for_model.name, exc)
                 self._unsuspendable.add(rt.name)
                 try:
-                    if level:
-                        await kind.wake(self.client, engine.url, rt.config, level)
+                    await kind.wake(self.client, engine.url, rt.config, level)
                 except httpx.HTTPError as wake_exc:
                     await self._failed(rt, f"wake after a refused suspension failed: {wake_exc}")
                     return
