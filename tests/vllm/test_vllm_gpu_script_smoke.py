@@ -39,6 +39,7 @@ def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.slow
 def test_elastic_against_native(tmp_path: Path) -> None:
     # --swap: elastic in the slot that starts second (the slot mapping itself is checked below).
     done = _run(tmp_path, "--swap")
@@ -61,6 +62,7 @@ def test_elastic_against_native(tmp_path: Path) -> None:
     assert "round 1/1: native" in done.stderr
 
 
+@pytest.mark.slow
 def test_calibration_runs_two_engines_of_one_backend(tmp_path: Path) -> None:
     # The elastic A/A run; which backend each slot gets under --calibrate is checked without engines below.
     out = _run(tmp_path, "--calibrate", "elastic").stdout
