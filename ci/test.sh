@@ -7,6 +7,10 @@
 #   bash ci/test.sh [extra pytest args]           # everything (what .ci/run and CI run)
 #   bash ci/test.sh --quick [extra pytest args]   # the edit-test loop: every test that starts no engine
 #                                                 # (not marked vllm, sglang, slow or gpu), a few minutes
+#
+# Tests run in two pytest-xdist workers (ELASTIC_KV_TEST_WORKERS, default 2; 0 runs them in this process),
+# a whole module (or test class) at a time on one worker: an engine start-up is mostly one thread's work, so
+# two workers keep both of CI's two cores busy (tests/conftest.py says how the workers share the CPUs).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -18,4 +22,6 @@ fi
 bash ci/env.sh
 venv="${ELASTIC_KV_VENV:-$root/.venv}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$venv/bin/python" -m pytest -m "$marks" --durations=25 "$@"
+workers="${ELASTIC_KV_TEST_WORKERS:-2}"
+exec "$venv/bin/python" -m pytest -m "$marks" -n "$workers" --dist loadscope --no-loadscope-reorder \
+    --durations=25 "$@"

@@ -7,6 +7,9 @@ from collections.abc import Callable
 import pytest
 from elastic_kv import _vmm
 
+from tests.support import injections
+from tests.support.injections import Outcome
+
 MiB = 1 << 20
 
 BackendFactory = Callable[..., _vmm.Backend]
@@ -41,29 +44,8 @@ def make_backend(backend_kind: str) -> BackendFactory:
     return factory
 
 
-# Fault-injection bookkeeping: every injection point records its outcome; the session prints a summary.
-
-INJECTION_OUTCOMES = pytest.StashKey[list[tuple[str, str, str, str]]]()
-
-
 @pytest.fixture
-def injection_log(request: pytest.FixtureRequest) -> list[tuple[str, str, str, str]]:
-    """Where test_fault_injection records (scenario, op, mode, outcome) per injection point."""
-    return request.config.stash.setdefault(INJECTION_OUTCOMES, [])
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    outcomes = config.stash.get(INJECTION_OUTCOMES, [])
-    if not outcomes:
-        return
-    by_scenario: dict[str, dict[str, int]] = {}
-    for scenario, _op, _mode, outcome in outcomes:
-        counts = by_scenario.setdefault(scenario, {})
-        counts[outcome] = counts.get(outcome, 0) + 1
-    terminalreporter.section("fault injection")
-    terminalreporter.write_line(
-        f"{len(outcomes)} injection points checked (scenario x config x op x call x mode)"
-    )
-    for scenario, counts in sorted(by_scenario.items()):
-        detail = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
-        terminalreporter.write_line(f"  {scenario:>10}: {sum(counts.values()):5d}  ({detail})")
+def injection_log(request: pytest.FixtureRequest) -> list[Outcome]:
+    """Where test_fault_injection records (scenario, op, mode, outcome) per injection point; the run ends
+    with their summary (:mod:`tests.support.injections`)."""
+    return injections.outcomes(request.config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -367,14 +366,13 @@ def test_failed_rollback_marks_the_pool_inconsistent() -> None:
         pool.ledger.close()
 
 
-def settle(pool: Pool, timeout: float = 5.0) -> None:
-    """Run maintain() until the data plane's background maps have been collected."""
-    deadline = time.monotonic() + timeout
+def settle(pool: Pool) -> None:
+    """One engine step (``maintain()``), then wait for the background maps queued so far and take them in
+    (``Ledger.settle``). Exactly one step, however long the maps take: the reserve's sizing counts steps
+    (an expectation is forgotten after ``reserve_window`` of them), so the pool's state after this does not
+    depend on the machine's speed."""
     pool.ledger.maintain()
-    while pool.ledger.snapshot().inflight_pages:
-        assert time.monotonic() < deadline, "background maps did not finish"
-        time.sleep(0.001)
-        pool.ledger.maintain()
+    pool.ledger.settle()
 
 
 @contextlib.contextmanager

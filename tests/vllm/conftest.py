@@ -55,7 +55,7 @@ def reference() -> dict[str, list[list[int]]]:
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tell ``vllm_families`` which families this session tests: their native references are computed
-    together, in one interpreter."""
+    together, in one interpreter (a share of them per pytest-xdist worker)."""
     names = [item.cls.family.name for item in items if getattr(getattr(item, "cls", None), "family", None)]
     if names:
         from vllm_families import plan_references

@@ -3,7 +3,8 @@
 ``python tests/vllm/vllm_engines.py reference`` runs *pure* vLLM (``VLLM_PLUGINS=""``: the plugin is not even
 loaded) on the test prompts with prefix caching on and off and prints the greedy tokens as JSON; the
 ``reference`` fixture runs it once per session (and caches the result under ``.cache/`` keyed by everything
-that determines it).
+that determines it; concurrent sessions and pytest-xdist workers compute it once, see
+:mod:`tests.support.once`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.support import engine_logs  # noqa: E402
 from tests.support.models import tiny_model  # noqa: E402
+from tests.support.once import json_once  # noqa: E402
 
 # 64 MiB of virtual capacity: 512 blocks of 128 tokens (vLLM's CPU block size) x 2 layers x 64 KiB.
 CAPACITY = 64 << 20
@@ -37,6 +39,10 @@ TEST_ENV = {
     "ELASTIC_KV_RESERVE_MAX": "4",
     "ELASTIC_KV_RESERVE_WINDOW": "2",
 }
+
+
+# Pure vLLM: the plugin is not even loaded.
+NATIVE_ENV = {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""}
 
 
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -122,11 +128,27 @@ def generate(
 
 
 # -- the native reference ---------------------------------------------------------------------------
+def compute_threads() -> str:
+    """The CPUs vLLM binds each rank's compute threads to, as counts (``"auto"``: vLLM's choice): part of
+    every cached native reference's key, since some CPU kernels' sums depend on how many threads share
+    them. ``tests/conftest.py`` binds each pytest-xdist worker's engines to the worker's own CPUs."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "nobind"):
+        return bind
+
+    def count(ids: str) -> int:
+        spans = [part.split("-") for part in ids.split(",") if part]
+        return sum(int(span[-1]) - int(span[0]) + 1 for span in spans)
+
+    return "|".join(str(count(rank)) for rank in bind.split("|"))
+
+
 def _reference_key(*extra: Any) -> str:
     import vllm
 
     text = json.dumps(
-        [vllm.__version__, prompts(), max_tokens(), engine_kwargs(model="m"), *extra], sort_keys=True
+        [vllm.__version__, prompts(), max_tokens(), engine_kwargs(model="m"), compute_threads(), *extra],
+        sort_keys=True,
     )
     model = Path(tiny_model()) / "config.json"
     return hashlib.sha256((text + model.read_text()).encode()).hexdigest()[:16]
@@ -135,11 +157,7 @@ def _reference_key(*extra: Any) -> str:
 def reference_tokens() -> dict[str, list[list[int]]]:
     """Pure vLLM's greedy tokens for :func:`prompts`, prefix caching ``"on"`` and ``"off"`` (cached)."""
     cache = REPO_ROOT / ".cache" / f"vllm-reference-{_reference_key()}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())  # type: ignore[no-any-return]
-    result = run_script("reference", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})
-    cache.write_text(json.dumps(result))
-    return result  # type: ignore[no-any-return]
+    return json_once(cache, lambda: run_script("reference", NATIVE_ENV))  # type: ignore[no-any-return]
 
 
 def long_reference_tokens() -> list[list[int]]:
@@ -147,11 +165,7 @@ def long_reference_tokens() -> list[list[int]]:
     :func:`reference_tokens`)."""
     key = _reference_key(long_prompts(), LONG_MAX_TOKENS)
     cache = REPO_ROOT / ".cache" / f"vllm-reference-long-{key}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())  # type: ignore[no-any-return]
-    result = run_script("reference-long", {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""})["tokens"]
-    cache.write_text(json.dumps(result))
-    return result  # type: ignore[no-any-return]
+    return json_once(cache, lambda: run_script("reference-long", NATIVE_ENV)["tokens"])  # type: ignore[no-any-return]
 
 
 # -- probes -----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,10 @@ for entry in (REPO_ROOT, Path(__file__).resolve().parent):
         sys.path.insert(0, str(entry))
 
 from vllm_engines import (  # noqa: E402
+    NATIVE_ENV,
     TEST_ENV,
     charged_bytes,
+    compute_threads,
     elastic_llm,
     engine_kwargs,
     max_tokens,
@@ -50,6 +52,7 @@ from vllm_engines import (  # noqa: E402
 
 from tests.support import engine_logs  # noqa: E402
 from tests.support.models import ARCH_MODELS, arch_model  # noqa: E402
+from tests.support.once import locked, read_json, try_lock, write_json  # noqa: E402
 
 # The third run's batches: several batch shapes, all of them different from the first run's.
 SPLIT = 4
@@ -309,6 +312,7 @@ def _reference_key(family: Family) -> str:
             SPLIT,
             family.sequential,
             family.kwargs(model="m"),
+            compute_threads(),
             "engine core in its own process",
         ],
         sort_keys=True,
@@ -322,8 +326,8 @@ _SESSION_FAMILIES: list[str] = []
 
 def plan_references(names: list[str]) -> None:
     """The families this pytest session tests (``tests/vllm/conftest.py`` at collection): the first
-    reference that is not cached computes every missing one of them in one interpreter, so vLLM is
-    imported once for all of them."""
+    reference that is not cached computes missing ones of them too, in one interpreter, so vLLM is imported
+    once for many of them (see :func:`reference_runs`)."""
     _SESSION_FAMILIES[:] = list(dict.fromkeys(names))
 
 
@@ -331,20 +335,51 @@ def _reference_cache(family: Family) -> Path:
     return REPO_ROOT / ".cache" / f"vllm-family-{family.name}-{_reference_key(family)}.json"
 
 
+def _batch_size() -> int:
+    """How many references one computation takes on: all of the session's, or under pytest-xdist a worker's
+    share of them, so that the other workers compute the rest beside it instead of waiting for all."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, -(-len(_SESSION_FAMILIES) // workers))
+
+
 def reference_runs(family: Family) -> dict[str, Any]:
-    """Pure vLLM's :func:`generate_runs` for ``family`` and its KV cache groups (cached; computed together
-    with the other missing references of the session, see :func:`plan_references`)."""
+    """Pure vLLM's :func:`generate_runs` for ``family`` and its KV cache groups (cached).
+
+    A missing reference is computed together with other missing references of the session (see
+    :func:`plan_references` and :func:`_batch_size`) that no other process is computing: each family's
+    cache file has a lock (:mod:`tests.support.once`), held by whoever computes it, so a process that needs
+    a reference someone else is computing waits for it instead of computing it again."""
     cache = _reference_cache(family)
     if cache.exists():
-        return json.loads(cache.read_text())  # type: ignore[no-any-return]
-    names = [
-        name
-        for name in dict.fromkeys([family.name, *_SESSION_FAMILIES])
-        if not _reference_cache(FAMILIES[name]).exists()
-    ]
-    log = REPO_ROOT / ".cache" / "vllm-family-references.log"
+        return read_json(cache)  # type: ignore[no-any-return]
+    with locked(cache), ExitStack() as held:
+        if cache.exists():
+            return read_json(cache)  # type: ignore[no-any-return]
+        names = [family.name]
+        for name in _SESSION_FAMILIES:
+            if len(names) == _batch_size():
+                break
+            other = _reference_cache(FAMILIES[name])
+            if name in names or other.exists():
+                continue
+            lock = try_lock(other)
+            if lock is None:  # another process is computing it
+                continue
+            held.callback(lock.close)
+            if other.exists():  # computed between the check and the lock
+                continue
+            names.append(name)
+        results = _compute_references(names)
+        for name in names:
+            write_json(_reference_cache(FAMILIES[name]), results[name])
+    return results[family.name]  # type: ignore[no-any-return]
+
+
+def _compute_references(names: list[str]) -> dict[str, Any]:
+    """The native references of the families ``names``, computed in one fresh interpreter."""
+    log = REPO_ROOT / ".cache" / f"vllm-family-references-{names[0]}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **NATIVE_ENV}
     with open(log, "w") as err:
         done = subprocess.run(
             [sys.executable, __file__, "reference", *names],
@@ -357,10 +392,7 @@ def reference_runs(family: Family) -> dict[str, Any]:
         raise RuntimeError(
             f"the native references of {', '.join(names)} failed (see {log}):\n{engine_logs.tail(log)}"
         )
-    results = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    for name in names:
-        _reference_cache(FAMILIES[name]).write_text(json.dumps(results[name]))
-    return results[family.name]  # type: ignore[no-any-return]
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def _worker_groups(worker: Any) -> str:
