@@ -82,7 +82,7 @@ def test_a_subclass_does_not_pass_as_its_served_base() -> None:
     assert reasons == ["KV cache spec NewSpec (unknown to vllm-elastic-kv)"]
 
 
-def test_mamba_state_is_served_without_prefix_caching_and_refused_with_it() -> None:
+def test_mamba_state_is_served_with_and_without_prefix_caching() -> None:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     def config(mode: str) -> Any:
@@ -96,6 +96,4 @@ def test_mamba_state_is_served_without_prefix_caching_and_refused_with_it() -> N
         return KVCacheConfig(4, [], [KVCacheGroupSpec(["m"], state), KVCacheGroupSpec(["a"], _full())])
 
     assert unsupported_model_features(config("none")) == []
-    assert unsupported_model_features(config("align")) == [
-        "prefix caching of Mamba / linear-attention state (mamba_cache_mode='align')"
-    ]
+    assert unsupported_model_features(config("align")) == []  # state checkpoints: blocks of the same pool

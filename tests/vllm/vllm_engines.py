@@ -83,12 +83,12 @@ def elastic_llm(env: dict[str, str], pool: str, **overrides: Any) -> Iterator[An
         mp.undo()
 
 
-def prompts() -> list[list[int]]:
+def prompts(shared_prefix: int = 300) -> list[list[int]]:
     """Varied token prompts: block-boundary lengths (vLLM's CPU block is 128 tokens), and four prompts
-    sharing a 300-token prefix (prefix-cache hits)."""
+    sharing a ``shared_prefix``-token prefix (prefix-cache hits)."""
     rng = random.Random(0)
     out = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 127, 128, 129, 255, 300, 520)]
-    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    shared = [rng.randrange(3, 1000) for _ in range(shared_prefix)]
     out += [shared + [rng.randrange(3, 1000) for _ in range(k)] for k in (1, 40, 130, 200)]
     return out
 

@@ -74,7 +74,11 @@ class Family:
     checked); ``limit_load``: ``(requests, prompt tokens, new tokens)`` of the load run under the limit
     instead of the prompts (only lengths checked), for families whose prompts take no new block while
     decoding, so that running requests need new blocks under the limit; ``draft_model``: the
-    ``ARCH_MODELS`` key of a draft model that proposes two tokens a step (speculative decoding).
+    ``ARCH_MODELS`` key of a draft model that proposes two tokens a step (speculative decoding);
+    ``first_prompt`` and ``shared_prefix``: the family's ``num_prompts`` prompts start at this one of
+    :func:`vllm_engines.prompts`, whose last four share a prefix of this many tokens (a prefix cache hit
+    needs a whole block of it); ``hit_run``: the runs add one whose request hits the prefix cache
+    (:func:`hit_run`; an idle elastic engine returns its cached blocks, so one sequence at a time never hits).
     """
 
     name: str
@@ -91,6 +95,9 @@ class Family:
     sequential: bool = False
     limit_load: tuple[int, int, int] | None = None
     draft_model: str = ""
+    first_prompt: int = 0
+    shared_prefix: int = 300
+    hit_run: bool = False
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         spec = ARCH_MODELS[self.model]
@@ -104,7 +111,7 @@ class Family:
         return engine_kwargs(**{**chosen, **overrides})
 
     def prompts(self) -> list[list[int]]:
-        return prompts()[: self.num_prompts]
+        return prompts(self.shared_prefix)[self.first_prompt : self.first_prompt + self.num_prompts]
 
 
 FAMILIES: dict[str, Family] = {
@@ -195,16 +202,21 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "gdn",
-            "Gated DeltaNet state beside full attention, MoE",
+            "Gated DeltaNet state beside full attention, MoE; prefix caching of states",
             "Qwen3-Next, Qwen3.5",
             "qwen3next",
             groups="3 x MambaSpec (1 layer), 1 x FullAttentionSpec (1 layer)",
             # vLLM grows the attention block to 384 tokens so that it holds a GDN state (padded to it):
             # 384 tokens x one 64-wide KV head x (K, V) x bf16.
             block_bytes=96 << 10,
-            # With prefix caching vLLM checkpoints GDN states (mamba_cache_mode='align'), which is refused.
-            engine={"enable_prefix_caching": False},
+            # Prefix caching on, as vLLM starts by default: it keeps a GDN state checkpoint per cached
+            # block (mamba_cache_mode='align'), state blocks from the same pool. The prompts end with four
+            # that share 450 tokens, more than one 384-token block, so later ones hit the cache.
+            engine={"enable_prefix_caching": True},
             num_prompts=8,
+            first_prompt=4,
+            shared_prefix=450,
+            hit_run=True,
             limit_pages=8,
             sequential=True,
             # No prompt crosses a 384-token block boundary while decoding; 360 + 420 tokens cross two, so
@@ -255,13 +267,48 @@ def generate_runs(llm: Any, family: Family) -> dict[str, list[list[int]]]:
     one prompt per ``generate`` call)."""
     token_prompts = family.prompts()
     if family.sequential:
-        return {run: generate_one_by_one(llm, token_prompts) for run in ("batched", "again", "split")}
+        runs = {run: generate_one_by_one(llm, token_prompts) for run in ("batched", "again", "split")}
+        if family.hit_run:
+            runs["hit"] = hit_run(llm, token_prompts)
+        return runs
     runs = {"batched": generate(llm, token_prompts), "again": generate(llm, token_prompts)}
     split: list[list[int]] = []
     for start in range(0, len(token_prompts), SPLIT):
         split += generate(llm, token_prompts[start : start + SPLIT], offset=start)
     runs["split"] = split
     return runs
+
+
+def hit_run(llm: Any, token_prompts: list[list[int]]) -> list[list[int]]:
+    """The tokens of a request that hits the prefix cache, in batches of a shape that does not depend on
+    timing (for batch-variant kernels): a long request keeps the engine busy throughout; a request with the
+    shared prefix runs and ends beside it, and only then does a second one that shares the prefix start,
+    hitting the first one's cached blocks (and, for state families, its state checkpoint), and run to its
+    end beside the long one. Only the second one's tokens are returned: the others' batches depend on
+    when the engine core saw each request."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def run_until(request_id: str) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        while request_id not in done:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        return done
+
+    first, second = token_prompts[-4], token_prompts[-2]  # two of the prompts that share the prefix
+    engine.add_request("busy", {"prompt_token_ids": token_prompts[0]}, params(600))
+    engine.add_request("first", {"prompt_token_ids": first}, params(8))
+    run_until("first")
+    engine.add_request("second", {"prompt_token_ids": second}, params(24))
+    tokens = run_until("second")["second"]
+    run_until("busy")
+    return [tokens]
 
 
 def generate_fixed(llm: Any, token_prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -311,6 +358,7 @@ def _reference_key(family: Family) -> str:
             max_tokens(),
             SPLIT,
             family.sequential,
+            family.hit_run,
             family.kwargs(model="m"),
             compute_threads(),
             "engine core in its own process",
@@ -525,8 +573,8 @@ class FamilyChecks:
 
     def test_greedy_tokens_equal_native(self, family_llm: Any, family_native: dict[str, Any]) -> None:
         runs = generate_runs(family_llm, self.family)
-        for run in ("batched", "again", "split"):
-            assert runs[run] == family_native[run], f"{run}: elastic tokens differ from pure vLLM's"
+        for run, tokens in runs.items():
+            assert tokens == family_native[run], f"{run}: elastic tokens differ from pure vLLM's"
 
     def test_memory_follows_load(self, family_llm: Any, family_registry_dir: Path) -> None:
         idle = self.idle_bytes(family_registry_dir)

@@ -44,7 +44,6 @@ FULL_ATTENTION_CPU = "tests/vllm/test_vllm_elastic.py"
 FULL_ATTENTION_GPU = "ci/gpu_vllm.py (docs/results.md)"
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("Mamba / GDN state with prefix caching", "Qwen3-Next, Nemotron-H", "mamba_cache_mode='align'"),
     Refused("Sliding-window MLA", "DeepSeek-V4", "SlidingWindowMLASpec"),
     Refused("Static sink tokens in the KV cache", "openPangu", "SinkFullAttentionSpec"),
     Refused("Encoder-decoder (cross-attention)", "Whisper, BART", "CrossAttentionSpec"),

@@ -99,9 +99,6 @@ def unsupported_model_features(kv_cache_config: Any) -> list[str]:
                 reasons.add(f"KV cache spec {name} (unknown to vllm-elastic-kv)")
             elif not support.served:
                 reasons.add(f"{support.feature} ({name})")
-            elif getattr(spec, "mamba_cache_mode", "none") == "align":
-                # vLLM's prefix caching of state checkpoints; not yet proven on an engine.
-                reasons.add("prefix caching of Mamba / linear-attention state (mamba_cache_mode='align')")
     return sorted(reasons)
 
 
