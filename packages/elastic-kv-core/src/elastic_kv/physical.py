@@ -80,6 +80,14 @@ class PhysicalAccount:
         """The pool holds more than its limit (it is shrinking)."""
         return bool(self.limit) and self.charged > self.limit
 
+    def ceiling(self) -> int:
+        """The most bytes (one rank's) the pool may ever hold while its limit and its devices' budgets stay
+        as they are: the tightest of them, 0 when none is set. Other pools' charges and the driver's free
+        memory are left out: they change on their own. Reads the records' mappings (no lock, no syscall)."""
+        bounds = [self.limit] if self.limit else []
+        bounds += [s.record.budget_bytes // s.ranks for s in self._shares if s.record.budget_bytes]
+        return max(1, min(bounds)) if bounds else 0
+
     def room(self) -> int:
         """Bytes the pool may still charge: its limit, and the outside headroom last read less what the
         pool charged since. No system call."""
@@ -174,6 +182,7 @@ class PhysicalAccount:
                         snap,
                         mapped_bytes=snap.mapped_bytes * share.ranks,
                         limit_bytes=share.record.limit_bytes,
+                        largest_request_bytes=snap.largest_request_bytes * share.ranks,
                     )
                 )
 
