@@ -117,7 +117,8 @@ def main() -> None:
             reply({"limit_changed": ev.limit_changed, "trim_requested": ev.trim_requested,
                    "limit": record.limit_bytes, "headroom": record.headroom_bytes})  # fmt: skip
         elif cmd == "state":
-            reply({"charged": record.charged_bytes, "limit": record.limit_bytes})
+            reply({"charged": record.charged_bytes, "limit": record.limit_bytes,
+                   "budget": record.budget_bytes})  # fmt: skip
         elif cmd == "headroom":
             reply({"headroom": record.headroom_bytes})
         elif cmd == "observe":

@@ -216,10 +216,22 @@ class Ledger:
         with an error rather than let it wait. O(1); follows ``kvctl``'s changes from :meth:`maintain`."""
         return self._fit_blocks
 
+    def max_request_blocks_now(self) -> int:
+        """:attr:`max_request_blocks` under the limit and budgets the records hold now, which ``maintain``
+        may not have applied yet: an engine about to end a request checks this first, so a ceiling that
+        ``kvctl`` just raised ends nothing. Reads the records' mappings; any thread."""
+        return self._blocks_under(self._phys.ceiling(fresh=True))
+
     def bytes_for_blocks(self, blocks: int) -> int:
         """The least the pool must hold (one rank's bytes) for requests to hold ``blocks`` blocks beside its
         null block; 0 for none (:func:`elastic_kv.ledger.fit.bytes_for_blocks`)."""
         return bytes_for_blocks(self._geo, blocks, null_block=self._null is not None)
+
+    def outside_room(self) -> int:
+        """Bytes the pool's records (its limit, its devices' budgets) and the driver's free memory would let
+        it charge now, read afresh rather than from the cache ``maintain`` refreshes. Any thread: an engine
+        waiting for room watches it grow from another thread."""
+        return self._phys.outside_room()
 
     def note_largest_request(self, blocks: int) -> None:
         """The engine's largest unfinished request needs ``blocks`` blocks to take its next step (0: no
@@ -239,10 +251,13 @@ class Ledger:
 
     def _follow_ceiling(self) -> None:
         """Recompute :attr:`max_request_blocks` from the limit and the budgets now in force."""
+        self._fit_blocks = self._blocks_under(self._phys.ceiling())
+
+    def _blocks_under(self, ceiling: int) -> int:
         has_null = self._null is not None
-        ceiling = self._phys.ceiling()
-        everything = self._book.nb - has_null
-        self._fit_blocks = blocks_within(self._geo, ceiling, null_block=has_null) if ceiling else everything
+        if not ceiling:
+            return self._book.nb - has_null
+        return blocks_within(self._geo, ceiling, null_block=has_null)
 
     @property
     def free_backed_blocks(self) -> int:
