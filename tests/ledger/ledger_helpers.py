@@ -125,6 +125,10 @@ class BudgetRecord:
     fail_next: Exception | None = None  # raised by the next try_charge (a broken record)
 
     @property
+    def budget_bytes(self) -> int:
+        return self.budget[0]
+
+    @property
     def headroom_bytes(self) -> int:
         room = 1 << 62
         if self.limit_bytes:

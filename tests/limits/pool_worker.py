@@ -4,7 +4,7 @@ Started by ``conftest.PoolProcess``. It creates the record from its arguments, a
 and then one JSON line per command:
 
     charge N | uncharge N | poll | state | headroom | observe OP SECONDS
-    publish USED TOTAL MAPPED HITS MISSES [PREEMPTIONS]
+    publish USED TOTAL MAPPED HITS MISSES [PREEMPTIONS [LARGEST_REQUEST_BYTES [FAILED]]]
     fork-sleeper            fork a child that inherits the record (and its lock) and sleeps
     follow STEP             background loop: poll, shrink to a lowered limit, charge STEP while it fits
     hammer SEED SECONDS MAX random charges/uncharges of up to MAX bytes for SECONDS; answers when done
@@ -117,14 +117,16 @@ def main() -> None:
             reply({"limit_changed": ev.limit_changed, "trim_requested": ev.trim_requested,
                    "limit": record.limit_bytes, "headroom": record.headroom_bytes})  # fmt: skip
         elif cmd == "state":
-            reply({"charged": record.charged_bytes, "limit": record.limit_bytes})
+            reply({"charged": record.charged_bytes, "limit": record.limit_bytes,
+                   "budget": record.budget_bytes})  # fmt: skip
         elif cmd == "headroom":
             reply({"headroom": record.headroom_bytes})
         elif cmd == "observe":
             record.observe(rest[0], float(rest[1]))
             reply({"ok": True})
         elif cmd == "publish":
-            used, total, mapped, hits, misses, *preempted = (int(x) for x in rest)
+            used, total, mapped, hits, misses, *more = (int(x) for x in rest)
+            preempted, largest, failed = [*more, 0, 0, 0][:3]
             record.publish(
                 PoolSnapshot(
                     name=record.name,
@@ -148,7 +150,9 @@ def main() -> None:
                     reserve_misses=misses,
                     epoch=0,
                     timestamp=time.time(),
-                    preemptions=preempted[0] if preempted else 0,
+                    preemptions=preempted,
+                    largest_request_bytes=largest,
+                    failed_requests=failed,
                 )
             )
             reply({"ok": True})

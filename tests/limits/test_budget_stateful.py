@@ -165,6 +165,10 @@ class _RemoteRecord:
         return int(self.worker.send("state")["limit"])
 
     @property
+    def budget_bytes(self) -> int:
+        return int(self.worker.send("state")["budget"])
+
+    @property
     def headroom_bytes(self) -> int:
         return int(self.worker.send("headroom")["headroom"])
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
+from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REFUSED, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
 from elastic_kv.registry import Registry
 
 from limits.helpers import PoolProcess
@@ -282,3 +282,70 @@ def test_a_pool_that_cannot_follow_a_limit_refuses_one(kvctl: Kvctl, registry_di
             "gdn-mamba", device="cpu", engine="sglang", model="m", limit_bytes=1 << 20,
             registry_dir=registry_dir, follows_limit=False,
         )  # fmt: skip
+
+
+@pytest.fixture
+def busy_pool(spawn_pool: Callable[..., PoolProcess]) -> PoolProcess:
+    """Pool "alpha" on cuda:0 whose engine published that its largest request needs 6 MiB (3 pages)."""
+    alpha = spawn_pool("alpha", engine="vllm", total=80 * GiB)
+    assert alpha.send(f"charge {8 * MiB}")["ok"]
+    assert alpha.send(f"publish 12 4096 {8 * MiB} 0 0 0 {6 * MiB}")["ok"]
+    return alpha
+
+
+def test_a_limit_below_the_largest_request_is_refused_in_one_line(
+    kvctl: Kvctl, registry_dir: Path, busy_pool: PoolProcess
+) -> None:
+    done = kvctl("limit", "alpha", "4M")
+    assert done.returncode == EXIT_REFUSED, (done.stdout, done.stderr)
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert re.fullmatch(
+        r"kvctl: refused: a limit of 4.00 MiB is below the 6.00 MiB that the largest request of pool alpha "
+        r"needs to run alone: .*give at least 6.00 MiB, or add --force.*\n",
+        done.stderr,
+    ), done.stderr
+    assert Registry(registry_dir).pool("alpha").limit_bytes == 0  # nothing changed
+    done = kvctl("limit", "alpha", "6M")  # exactly what it needs
+    assert done.returncode == 0, done.stderr
+    assert Registry(registry_dir).pool("alpha").limit_bytes == 6 * MiB
+
+
+def test_force_applies_such_a_limit_with_a_one_line_warning(
+    kvctl: Kvctl, registry_dir: Path, busy_pool: PoolProcess
+) -> None:
+    done = kvctl("limit", "alpha", "4M", "--force")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        "kvctl: warning: requests of pool alpha that need more than 4.00 MiB cannot run under this limit and "
+        "end with an error (the largest needs 6.00 MiB)\n"
+    )
+    assert "limit 4.00 MiB (was unlimited)" in done.stdout
+    assert Registry(registry_dir).pool("alpha").limit_bytes == 4 * MiB
+
+
+def test_a_budget_below_a_pools_largest_request_is_refused_or_forced(
+    kvctl: Kvctl, registry_dir: Path, busy_pool: PoolProcess, spawn_pool: Callable[..., PoolProcess]
+) -> None:
+    idle = spawn_pool("idle", engine="sglang")  # same device, no request: needs nothing
+    assert idle.send(f"publish 0 4096 {2 * MiB} 0 0")["ok"]
+    done = kvctl("budget", "cuda:0", "5M")
+    assert done.returncode == EXIT_REFUSED, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1, done.stderr
+    refusal = "refused: a budget of 5.00 MiB for device cuda:0 is below what the largest request of pool(s) "
+    assert refusal in done.stderr
+    assert "alpha 6.00 MiB" in done.stderr and "idle" not in done.stderr
+    assert Registry(registry_dir).device("cuda:0").budget_bytes == 0
+    done = kvctl("budget", "cuda:0", "5M", "--force")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith("kvctl: warning: requests that need more than 5.00 MiB cannot run")
+    assert done.stderr.count("\n") == 1
+    assert Registry(registry_dir).device("cuda:0").budget_bytes == 5 * MiB
+    assert kvctl("budget", "cuda:0", "unlimited").returncode == 0  # lifting is never refused
+
+
+def test_help_documents_the_refusal_and_its_exit_code(kvctl: Kvctl) -> None:
+    done = kvctl("limit", "--help")
+    assert done.returncode == 0 and "--force" in done.stdout
+    done = kvctl("--help")
+    assert "6 refused" in " ".join(done.stdout.split())

@@ -10,6 +10,7 @@ import pytest
 from elastic_kv.registry import LatencyHistogram
 from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
+    SNAPSHOT_APPENDED_INT_FIELDS,
     SNAPSHOT_INT_FIELDS,
     DeviceLayout,
     FloatField,
@@ -67,9 +68,14 @@ def test_device_layout_fits() -> None:
 
 
 def test_record_stores_every_snapshot_field() -> None:
-    """A new PoolSnapshot field must come with a layout change (and a version bump), not be dropped."""
-    stored = set(SNAPSHOT_INT_FIELDS) | {"name", "state", "timestamp"}
+    """A new PoolSnapshot field must come with a layout change, not be dropped; appended fields come after
+    every field of version 2 (whose offsets never move)."""
+    stored = set(SNAPSHOT_INT_FIELDS) | set(SNAPSHOT_APPENDED_INT_FIELDS) | {"name", "state", "timestamp"}
     assert {f.name for f in dataclasses.fields(PoolSnapshot)} == stored
+    assert not set(SNAPSHOT_INT_FIELDS) & set(SNAPSHOT_APPENDED_INT_FIELDS)
+    assert RecordLayout.appended_snapshot_ints.offset > RecordLayout.flags.offset
+    end = RecordLayout.appended_snapshot_ints.offset + 8 * len(SNAPSHOT_APPENDED_INT_FIELDS)
+    assert end <= RecordLayout.SIZE
 
 
 def test_text_field_truncates_long_text_keeping_its_tail() -> None:

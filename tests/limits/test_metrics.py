@@ -49,7 +49,7 @@ def busy_pool(registry_dir: Path, spawn_pool: Callable[..., PoolProcess]) -> Poo
     Registry(registry_dir).set_budget("cuda:0", 512 * MiB)
     pool = spawn_pool("llama", limit=256 * MiB, engine="vllm", model="meta-llama/Llama-3.1-8B", total=1 << 30)
     assert pool.send(f"charge {96 * MiB}")["ok"]
-    assert pool.send(f"publish 700 4096 {96 * MiB} 90 10 3")["ok"]
+    assert pool.send(f"publish 700 4096 {96 * MiB} 90 10 3 {6 * MiB} 2")["ok"]
     for seconds in (3e-5, 3e-5, 4e-4, 2.0):
         assert pool.send(f"observe map {seconds}")["ok"]
     assert pool.send("observe unmap 1e-5")["ok"]
@@ -69,6 +69,8 @@ def test_collector_exports_another_process_pools(registry_dir: Path, busy_pool: 
     assert value(samples, "elastic_kv_pool_reserve_misses_total", **pool) == 10
     assert value(samples, "elastic_kv_pool_preemptions_total", **pool) == 3
     assert value(samples, "elastic_kv_pool_draining_pages", **pool) == 0
+    assert value(samples, "elastic_kv_pool_largest_request_bytes", **pool) == 6 * MiB
+    assert value(samples, "elastic_kv_pool_failed_requests_total", **pool) == 2
     assert value(samples, "elastic_kv_pool_info", pool="llama", pid=str(busy_pool.pid), state="active") == 1
     # Histograms: cumulative buckets, +Inf == count, sum of the samples sent.
     name = "elastic_kv_pool_page_latency_seconds"

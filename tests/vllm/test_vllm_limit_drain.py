@@ -141,3 +141,29 @@ def test_lowered_limit_is_met_within_two_steps_and_tokens_equal_native(llm: Any,
     assert tokens == reference, "a preempted request did not recompute the native greedy tokens"
     snap = pool_snapshot(registry_dir, POOL)
     assert snap.state.value == "active" and snap.draining_pages == 0 and snap.limit_bytes == 0
+
+
+def test_a_request_larger_than_the_limit_ends_with_an_error_offline(llm: Any, registry_dir: Path) -> None:
+    """In-process (``LLM.generate``): a prompt that needs more than the limit lets a request hold ends with
+    finish reason ``error`` and a ``stop_reason`` that says why; the next request that fits runs."""
+    from elastic_kv.registry import Registry
+    from vllm import SamplingParams
+
+    page = pool_snapshot(registry_dir, POOL).page_bytes
+    Registry(registry_dir).set_limit(POOL, 3 * page)  # the null block's page and 2 blocks: 256 tokens
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    try:
+        start = time.monotonic()
+        (out,) = llm.generate([{"prompt_token_ids": list(range(20, 320))}], params, use_tqdm=False)
+        assert time.monotonic() - start < 60
+        assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
+        assert f"needs more KV cache than pool {POOL} may hold: its 300 tokens" in out.outputs[0].stop_reason
+        (small,) = llm.generate([{"prompt_token_ids": list(range(20, 120))}], params, use_tqdm=False)
+        assert small.outputs[0].finish_reason == "length" and len(small.outputs[0].token_ids) == 8
+    finally:
+        Registry(registry_dir).set_limit(POOL, 0)
+    (again,) = llm.generate([{"prompt_token_ids": list(range(20, 320))}], params, use_tqdm=False)
+    assert again.outputs[0].finish_reason == "length"  # once the limit allows it
+    assert wait_for(lambda: _published(registry_dir) == ("active", 0), timeout=30)
+    snap = pool_snapshot(registry_dir, POOL)
+    assert snap.failed_requests == 1 and snap.used_blocks == 0

@@ -1,11 +1,11 @@
 """kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.kvctl``).
 
     kvctl list [--json]                 every pool and device budget
-    kvctl limit POOL SIZE|PCT|unlimited [--wait SEC]
+    kvctl limit POOL SIZE|PCT|unlimited [--wait SEC] [--force]
                                         a pool's physical limit (PCT of its device's budget, else its size);
                                         --wait: until the pool holds no more than that, and say how long
                                         it took and how many requests the engine preempted meanwhile
-    kvctl budget DEVICE [SIZE|PCT|unlimited] [--create]
+    kvctl budget DEVICE [SIZE|PCT|unlimited] [--create] [--force]
                                         show or set a device's GPU-wide budget (PCT of its size); a device
                                         no pool has used yet needs --create (a misspelt name is refused)
     kvctl trim POOL [--wait SEC]        have a pool return its mapped reserve now; print what came back
@@ -16,6 +16,10 @@
 Sizes: 512M, 2GiB, 1.5G, 4096 (units are binary: 1G = 1GB = 1GiB), or a percentage such as 25%.
 A negative size (``-5G``) is read as a size, not as an option, and refused as negative. Devices are named
 as ``kvctl list`` shows them: ``cpu`` for the host backend, the GPU's UUID (``GPU-...``) for a GPU.
+
+A limit or budget below what a pool's largest unfinished request needs to run alone (its snapshot's
+``largest_request_bytes``) is refused in one line (exit 6): under it that request could never run, and its
+engine would end it with an error. ``--force`` applies it anyway and warns which requests end so.
 """
 
 from __future__ import annotations
@@ -42,13 +46,22 @@ from elastic_kv.registry import (
 from elastic_kv.registry.files import check_device_name
 from elastic_kv.sizes import Percent, format_bytes, parse_amount
 
-__all__ = ["EXIT_BAD_ARGUMENT", "EXIT_REGISTRY", "EXIT_TIMEOUT", "EXIT_UNKNOWN", "main", "render_list"]
+__all__ = [
+    "EXIT_BAD_ARGUMENT",
+    "EXIT_REFUSED",
+    "EXIT_REGISTRY",
+    "EXIT_TIMEOUT",
+    "EXIT_UNKNOWN",
+    "main",
+    "render_list",
+]
 
 # Exit codes (also in --help): 0 success, 1 unexpected failure.
 EXIT_BAD_ARGUMENT = 2  # argparse's own code for usage errors; also bad sizes and percentages
 EXIT_UNKNOWN = 3  # no such pool or device
 EXIT_REGISTRY = 4  # the registry directory or a file in it cannot be used (ConfigError)
 EXIT_TIMEOUT = 5  # limit --wait: the pool did not get under its new limit in time
+EXIT_REFUSED = 6  # a limit or budget below what a running request needs (--force applies it)
 
 _UNLIMITED_WORDS = ("unlimited", "none")
 # What argparse must take for a (negative) positional value rather than an option: '-5G', '-1.5', '-.5M'.
@@ -58,6 +71,26 @@ _NEGATIVE_SIZE = re.compile(r"^-(\d+(\.\d*)?|\.\d+)\s*[A-Za-z%]*$")
 
 class _UsageError(Exception):
     """A well-formed command that cannot be carried out as asked (e.g. a percentage of an unknown size)."""
+
+
+class _Refused(Exception):
+    """A limit or budget under which a request the engine holds could never run (``--force`` overrides)."""
+
+
+def _largest_request(pool: PoolInfo) -> int:
+    """What the pool's largest unfinished request needs to run alone (0: none, or not published)."""
+    return pool.snapshot.largest_request_bytes if pool.snapshot is not None else 0
+
+
+def _starved(pools: Sequence[PoolInfo], nbytes: int) -> list[PoolInfo]:
+    """The pools whose largest request needs more than ``nbytes``, the hungriest first."""
+    if nbytes == UNLIMITED:
+        return []
+    return sorted((p for p in pools if _largest_request(p) > nbytes), key=_largest_request, reverse=True)
+
+
+def _needs(pools: Sequence[PoolInfo]) -> str:
+    return ", ".join(f"{p.name} {format_bytes(_largest_request(p))}" for p in pools)
 
 
 def _limit_text(nbytes: int) -> str:
@@ -177,7 +210,20 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
             f"a limit of {format_bytes(nbytes)} is below one page of pool {pool.name} ({one}): the pool "
             f"always backs the page of its null block; give at least {one}"
         )
+    starved = _starved([pool], nbytes)
+    if starved and not args.force:
+        need = format_bytes(_largest_request(pool))
+        raise _Refused(
+            f"a limit of {format_bytes(nbytes)} is below the {need} that the largest request of pool "
+            f"{pool.name} needs to run alone: its engine would end it with an error; give at least {need}, "
+            "or add --force to apply the limit anyway"
+        )
     updated = registry.set_limit(pool.name, nbytes)
+    if starved:
+        _warn(
+            f"requests of pool {pool.name} that need more than {format_bytes(nbytes)} cannot run under this "
+            f"limit and end with an error (the largest needs {format_bytes(_largest_request(pool))})"
+        )
     was = _limit_text(pool.limit_bytes)
     out.write(
         f"pool {updated.name}: limit {_limit_text(updated.limit_bytes)} (was {was}), "
@@ -198,6 +244,19 @@ def _preemptions(pool: PoolInfo) -> int:
     return pool.snapshot.preemptions if pool.snapshot is not None else 0
 
 
+def _failed(pool: PoolInfo) -> int:
+    return pool.snapshot.failed_requests if pool.snapshot is not None else 0
+
+
+def _cost(before: PoolInfo, now: PoolInfo) -> str:
+    """What a limit cost the pool's requests since ``before``: preempted, and ended for needing more."""
+    text = f"{_preemptions(now) - _preemptions(before)} request(s) preempted"
+    failed = _failed(now) - _failed(before)
+    if failed:
+        text += f", {failed} ended with an error (they need more than the limit)"
+    return text
+
+
 def _wait_under_limit(
     registry: Registry, before: PoolInfo, pool: PoolInfo, seconds: float, out: TextIO
 ) -> int:
@@ -210,17 +269,16 @@ def _wait_under_limit(
         now = registry.pool(pool.name)
         fits = now.charged_bytes <= now.limit_bytes or now.limit_bytes == UNLIMITED
         if fits and (now.snapshot is None or now.snapshot.state != "shrinking"):
-            preempted = _preemptions(now) - _preemptions(before)
             out.write(
                 f"applied after {time.monotonic() - start:.2f} s: charged {format_bytes(pool.charged_bytes)} "
-                f"-> {format_bytes(now.charged_bytes)}; {preempted} request(s) preempted\n"
+                f"-> {format_bytes(now.charged_bytes)}; {_cost(before, now)}\n"
             )
             return 0
     now = registry.pool(pool.name)
     out.write(
         f"not applied within {seconds:g} s: the pool still holds {format_bytes(now.charged_bytes)} "
-        f"(limit {_limit_text(now.limit_bytes)}); {_preemptions(now) - _preemptions(before)} request(s) "
-        "preempted so far; it keeps releasing pages as their blocks are freed\n"
+        f"(limit {_limit_text(now.limit_bytes)}); {_cost(before, now)} so far; it keeps releasing pages as "
+        "their blocks are freed\n"
     )
     return EXIT_TIMEOUT
 
@@ -247,7 +305,21 @@ def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> in
                 )
             return total, f" of the {format_bytes(total)} of {args.device}"
 
-        device = registry.set_budget(args.device, _amount(args.size, "budget", base))
+        nbytes = _amount(args.size, "budget", base)
+        starved = _starved([p for p in registry.pools() if p.device == args.device], nbytes)
+        if starved and not args.force:
+            need = format_bytes(_largest_request(starved[0]))
+            raise _Refused(
+                f"a budget of {format_bytes(nbytes)} for device {args.device} is below what the largest "
+                f"request of pool(s) {_needs(starved)} needs to run alone: its engine would end it with an "
+                f"error; give at least {need}, or add --force to apply the budget anyway"
+            )
+        device = registry.set_budget(args.device, nbytes)
+        if starved:
+            _warn(
+                f"requests that need more than {format_bytes(nbytes)} cannot run under this budget and end "
+                f"with an error (largest requests: {_needs(starved)})"
+            )
     out.write(
         f"device {device.device}: budget {_limit_text(device.budget_bytes)}, charged "
         f"{format_bytes(device.charged_bytes)} by {len(device.pools)} pool(s)\n"
@@ -319,12 +391,19 @@ def _cmd_metrics(registry: Registry, args: argparse.Namespace, out: TextIO) -> i
     return 0
 
 
+_FORCE_HELP = (
+    "apply it even below what a pool's largest running request needs (exit 6 otherwise): requests that "
+    "need more end with an error"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvctl",
         description="See and steer the elastic-kv pools of this host.",
         epilog="exit codes: 0 ok, 1 unexpected error, 2 bad arguments or sizes, 3 unknown pool or device, "
-        "4 registry directory unusable, 5 limit --wait timed out",
+        "4 registry directory unusable, 5 limit --wait timed out, 6 refused: a limit or budget below what "
+        "a running request needs (--force applies it)",
     )
     parser.add_argument(
         "--registry-dir",
@@ -348,6 +427,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SEC",
         help="wait up to SEC seconds until the pool holds no more than the limit (exit 5 if it does not)",
     )
+    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.set_defaults(run=_cmd_limit)
 
     p = sub.add_parser("budget", help="show or set a device's GPU-wide budget")
@@ -358,6 +438,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="set the budget of a device no pool has used yet (without it, an unknown name is refused)",
     )
+    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.set_defaults(run=_cmd_budget)
 
     p = sub.add_parser("trim", help="have a pool return its mapped reserve now, and say what came back")
@@ -404,6 +485,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _fail(EXIT_REGISTRY, str(exc))
     except (ValueError, _UsageError) as exc:
         return _fail(EXIT_BAD_ARGUMENT, str(exc))
+    except _Refused as exc:
+        return _fail(EXIT_REFUSED, f"refused: {exc}")
     except BrokenPipeError:  # `kvctl list | head`
         return 0
 
@@ -411,6 +494,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 def _fail(code: int, message: str) -> int:
     print(f"kvctl: {message}", file=sys.stderr)
     return code
+
+
+def _warn(message: str) -> None:
+    print(f"kvctl: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Metrics (labels ``pool, device, engine, model`` unless noted; ``*_bytes`` are ph
 * ``elastic_kv_pool_limit_bytes`` (0 = unlimited), ``elastic_kv_pool_charged_bytes``;
 * from the pool's last published snapshot: ``elastic_kv_pool_mapped_bytes``, ``..._reserved_bytes``,
   ``..._{used,free,available,total}_blocks``, ``..._{mapped,reserve,pending,draining}_pages``,
-  ``elastic_kv_pool_reserve_{hits,misses}_total``, ``elastic_kv_pool_preemptions_total``;
+  ``elastic_kv_pool_largest_request_bytes``, ``elastic_kv_pool_reserve_{hits,misses}_total``,
+  ``elastic_kv_pool_preemptions_total``, ``elastic_kv_pool_failed_requests_total``;
 * ``elastic_kv_pool_page_latency_seconds`` histogram, label ``op`` = ``map`` | ``unmap``;
 * ``elastic_kv_pool_info`` = 1 with ``pid`` and ``state``;
 * per device (label ``device``): ``elastic_kv_device_budget_bytes`` (0 = unlimited),
@@ -57,6 +58,11 @@ _SNAPSHOT_GAUGES = (
     ("reserve_pages", "reserve_pages", "Backed pages without live blocks kept to serve allocations."),
     ("pending_pages", "pending_pages", "Backed empty pages waiting for queued GPU work to finish."),
     ("draining_pages", "draining_pages", "Pages being released to meet a lowered limit (issue no block)."),
+    (
+        "largest_request_bytes",
+        "largest_request_bytes",
+        "Physical bytes the pool must hold for its largest unfinished request alone (0: no request).",
+    ),
 )
 
 
@@ -115,6 +121,11 @@ def _pool_metrics(pools: Sequence[PoolInfo]) -> Iterator[Metric]:
         "Requests the engine preempted (to recompute later), to meet a limit or for want of memory.",
         labels=_POOL_LABELS,
     )
+    failed = CounterMetricFamily(
+        "elastic_kv_pool_failed_requests",
+        "Requests the engine ended with an error: they need more than the pool's limit or budget allows.",
+        labels=_POOL_LABELS,
+    )
     latency = HistogramMetricFamily(
         "elastic_kv_pool_page_latency_seconds",
         "Latency of page map/unmap operations of the pool.",
@@ -133,6 +144,7 @@ def _pool_metrics(pools: Sequence[PoolInfo]) -> Iterator[Metric]:
             hits.add_metric(labels, pool.snapshot.reserve_hits)
             misses.add_metric(labels, pool.snapshot.reserve_misses)
             preemptions.add_metric(labels, pool.snapshot.preemptions)
+            failed.add_metric(labels, pool.snapshot.failed_requests)
         for histogram in pool.latency:
             cumulative = 0
             buckets = []
@@ -140,7 +152,7 @@ def _pool_metrics(pools: Sequence[PoolInfo]) -> Iterator[Metric]:
                 cumulative += count
                 buckets.append(("+Inf" if math.isinf(bound) else repr(bound), float(cumulative)))
             latency.add_metric([*labels, histogram.op], buckets, histogram.sum_seconds)
-    yield from (limit, charged, reserved, info, *snap.values(), hits, misses, preemptions, latency)
+    yield from (limit, charged, reserved, info, *snap.values(), hits, misses, preemptions, failed, latency)
 
 
 def _device_metrics(devices: Sequence[DeviceInfo]) -> Iterator[Metric]:

@@ -80,6 +80,17 @@ class PhysicalAccount:
         """The pool holds more than its limit (it is shrinking)."""
         return bool(self.limit) and self.charged > self.limit
 
+    def ceiling(self, fresh: bool = False) -> int:
+        """The most bytes (one rank's) the pool may ever hold while its limit and its devices' budgets stay
+        as they are: the tightest of them, 0 when none is set. Other pools' charges and the driver's free
+        memory are left out: they change on their own. Reads the records' mappings (no lock, no syscall);
+        ``fresh``: the limit as the records say now, rather than the one the pool follows (applied by
+        ``maintain``)."""
+        limit = self.record_limit() if fresh and self._shares else self.limit
+        bounds = [limit] if limit else []
+        bounds += [s.record.budget_bytes // s.ranks for s in self._shares if s.record.budget_bytes]
+        return max(1, min(bounds)) if bounds else 0
+
     def room(self) -> int:
         """Bytes the pool may still charge: its limit, and the outside headroom last read less what the
         pool charged since. No system call."""
@@ -94,14 +105,20 @@ class PhysicalAccount:
         now = self._clock()
         if not force and now - self._read_at < self._cfg.free_memory_ttl_s:
             return
+        self._outside = self.outside_room()
+        self._charged_at_read = self.charged
+        self._read_at = now
+
+    def outside_room(self) -> int:
+        """Bytes (one rank's) the records -- limit and budget -- and the driver's free memory would let the
+        pool charge now, read afresh (a system call per record where the budget binds, see
+        ``PoolRecord.headroom_bytes``, and the driver's). Any thread."""
         room = _UNBOUNDED
         for share in self._shares:
             room = min(room, share.record.headroom_bytes // share.ranks)
         if self._physical_free is not None:
             room = min(room, max(0, self._physical_free() - self._cfg.min_free_bytes))
-        self._outside = room
-        self._charged_at_read = self.charged
-        self._read_at = now
+        return room
 
     def stale(self) -> None:
         """The outside headroom just proved wrong (the driver or the budget refused): re-read it at the
@@ -174,6 +191,7 @@ class PhysicalAccount:
                         snap,
                         mapped_bytes=snap.mapped_bytes * share.ranks,
                         limit_bytes=share.record.limit_bytes,
+                        largest_request_bytes=snap.largest_request_bytes * share.ranks,
                     )
                 )
 

@@ -58,6 +58,10 @@ class PoolSnapshot:
     timestamp: float  # time.time() when the snapshot was taken
     preemptions: int = 0  # requests the engine preempted (to recompute later) since the pool started
     draining_pages: int = 0  # pages being released to meet the limit: none of their blocks is issued
+    # What the pool must hold for its largest unfinished request to take its next step alone, the null
+    # block's page included (elastic_kv.ledger.fit); 0 with no request, or from an engine that does not say.
+    largest_request_bytes: int = 0
+    failed_requests: int = 0  # requests the engine ended with an error: they need more than the ceiling
 
     @property
     def reserve_hit_rate(self) -> float:

@@ -120,6 +120,9 @@ class ElasticAllocatorMixin:
     _running: drain.RunningRequests | None = None
     # Request-to-token slots -> this pool's slots, where they differ (a hybrid's SWA side); None: the same.
     elastic_translate: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Whether this pool holds every token of a request (False: a sliding window's pool holds its window),
+    # so that a request's whole length must fit its ceiling (sglang_elastic_kv.fit).
+    elastic_holds_sequence: bool = True
 
     def elastic_follow(self, running: drain.RunningRequests) -> None:
         """Steer a lowered limit's drain by the scheduler's ``running`` requests (:mod:`.drain`): the ledger

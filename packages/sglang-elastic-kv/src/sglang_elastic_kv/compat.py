@@ -76,6 +76,10 @@ class Seams:
     hybrid_req_pool_builder: str
     # Decode retraction: the requests retracted are counted as the pool's preemptions.
     retract_decode: str
+    # Where the scheduler produces its own aborts (timeouts): requests that can never fit are added.
+    poll_aborts: str
+    # The scheduler's pass without a batch: a scheduler waiting for memory sleeps there as when idle.
+    on_idle: str
 
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
@@ -93,6 +97,8 @@ class Seams:
             self.scheduler_init,
             self.hybrid_req_pool_builder,
             self.retract_decode,
+            self.poll_aborts,
+            self.on_idle,
         )
 
 
@@ -118,6 +124,8 @@ SEAMS: tuple[Seams, ...] = (
         scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
         hybrid_req_pool_builder=f"{_CONFIGURATOR}._build_hybrid_req_pool",
         retract_decode="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+        poll_aborts="sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts",
+        on_idle="sglang.srt.managers.scheduler.Scheduler.on_idle",
     ),
 )
 
@@ -135,8 +143,17 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.plugins.hook_registry.HookType": ("BEFORE", "AFTER", "AROUND"),
     "sglang.srt.server_args": ("prepare_server_args", "ServerArgs"),
     "sglang.srt.server_args.ServerArgs": ("add_cli_args", "speculative_algorithm"),
-    "sglang.srt.managers.scheduler.Scheduler": ("__init__",),
+    "sglang.srt.managers.scheduler.Scheduler": (
+        "__init__",
+        "_poll_timeout_aborts",
+        "on_idle",
+        "is_fully_idle",
+        "maybe_sleep_on_idle",
+    ),
+    "sglang.srt.managers.io_struct.AbortReq": ("rid", "abort_message", "finished_reason"),
+    "sglang.srt.managers.schedule_batch.Req": ("seqlen", "finished"),
     "sglang.srt.managers.schedule_batch.ScheduleBatch": (
+        "is_empty",
         "retract_decode",
         "token_to_kv_pool_allocator",
         "reqs",
@@ -272,11 +289,14 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
 # Class (dotted) -> attributes its constructor sets on every instance, read by the plugin. Checked by
 # :func:`check_instance` on the plugin's own subclasses (and on the SGLang objects they are handed).
 INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
-    # What the drain reads of the running scheduler (hooks.follow_scheduler_after; drain.py).
+    # What the drain reads of the running scheduler (hooks.follow_scheduler_after; drain.py), and what
+    # fit.py reads to end the requests that can never fit and to sleep while requests wait for memory.
     "sglang.srt.managers.scheduler.Scheduler": (
         "running_batch",
         "req_to_token_pool",
         "token_to_kv_pool_allocator",
+        "waiting_queue",
+        "chunked_req",
     ),
     f"{_POOLS}.ReqToTokenPool": ("req_to_token",),
     f"{_POOLS}.MHATokenToKVPool": (

@@ -41,6 +41,10 @@
 8. ``Scheduler.__init__`` (AFTER): the scheduler's elastic allocators follow its running requests, so that
    a lowered limit drains the pages of the requests SGLang retracts first and decode capacity is refused
    while requests hold slots on draining pages (:mod:`sglang_elastic_kv.drain`).
+9. ``Scheduler._poll_timeout_aborts`` (AFTER): waiting requests that need more than a pool's limit or
+   budget lets a request hold are aborted with a message, as SGLang aborts requests that waited too long;
+   ``Scheduler.on_idle`` (AFTER): while requests wait for memory and nothing runs, the scheduler sleeps as
+   when idle (:mod:`sglang_elastic_kv.fit`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Any
 
 from elastic_kv.errors import ConfigError
 
+from sglang_elastic_kv import fit
 from sglang_elastic_kv.compat import Seams
 from sglang_elastic_kv.config import PluginConfig
 
@@ -76,6 +81,8 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     release = functools.partial(release_kv_cache_after, config.max_cached_tokens)
     registry.register(seams.release_kv_cache, release, hook_type.AFTER)
     registry.register(seams.retract_decode, retract_decode_after, hook_type.AFTER)
+    registry.register(seams.poll_aborts, fit.poll_aborts_after, hook_type.AFTER)
+    registry.register(seams.on_idle, fit.on_idle_after, hook_type.AFTER)
 
 
 def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:

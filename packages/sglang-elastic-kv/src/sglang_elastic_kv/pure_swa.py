@@ -63,6 +63,7 @@ class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
         compat.check_instance(self, "sglang.srt.mem_cache.allocator.swa.PureSWATokenToKVPoolAllocator")
         elastic = ElasticTokenToKVPoolAllocator(size_swa, dtype, device, kvcache.swa_kv_pool, need_sort)
         self.swa_attn_allocator = elastic
+        elastic.elastic_holds_sequence = False  # every layer keeps its window only
         self.full_attn_allocator = elastic
         elastic.clear()
 

@@ -136,6 +136,7 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
                 )
         self.full_attn_allocator = self._elastic(self.full_attn_allocator, size, kvcache.full_kv_pool)
         self.swa_attn_allocator = self._elastic(self.swa_attn_allocator, size_swa, kvcache.swa_kv_pool)
+        self.swa_attn_allocator.elastic_holds_sequence = False  # the window only
         # The request-to-token table holds full-attention slots; the SWA side's are mapped from them.
         self.swa_attn_allocator.elastic_translate = self.translate_loc_from_full_to_swa
         self.clear()  # SGLang's constructor cleared the sub-allocators it built; these start empty too

@@ -9,6 +9,12 @@ joins ``EngineCore._idle_state_callbacks``, which the loop runs *on its thread* 
 work, and a ``WAKEUP`` request (what vLLM's shutdown path sends) unblocks the queue. A busy engine runs the
 callback once it is idle again; its steps apply the change meanwhile.
 
+The same wake-up serves a scheduler that stalled (:class:`vllm_elastic_kv.fit.Stall`: nothing can run until
+memory frees): ``wake_when``, polled with the revisions, says when the room outside the pool grew, and the
+callback then ends the stall on the loop's thread. vLLM's loop runs idle callbacks and then blocks on its
+queue in one pass (and a ``WAKEUP`` may have been consumed while the engine was busy), so a callback that
+leaves the engine with work returns True, and another ``WAKEUP`` makes the loop look again.
+
 Only the engine core's busy loop (``EngineCoreProc``, vLLM's default) has that queue; an in-process engine
 core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has no loop to wake, and changes apply at its next step.
 """
@@ -47,20 +53,23 @@ def constructing_engine_core() -> Any | None:
 
 
 class IdleControl:
-    """Wakes an idle engine core to run ``on_idle`` on its thread when ``records``' revisions change."""
+    """Wakes an idle engine core to run ``on_idle`` on its thread when ``records``' revisions change (or
+    ``wake_when`` says so); ``on_idle`` returns True when the engine has work after it."""
 
     def __init__(
         self,
         engine_core: Any,
         records: Sequence[PoolRecord],
-        on_idle: Callable[[], None],
+        on_idle: Callable[[], bool],
         period_s: float = 0.05,
+        wake_when: Callable[[], bool] | None = None,
     ) -> None:
         from vllm.v1.engine import EngineCoreRequestType
 
         self._core = engine_core
         self._records = tuple(records)
         self._on_idle = on_idle
+        self._wake_when = wake_when
         self._period = period_s
         self._wakeup = (EngineCoreRequestType.WAKEUP, None)
         self._stop = threading.Event()
@@ -69,16 +78,22 @@ class IdleControl:
 
     @classmethod
     def for_engine(
-        cls, engine_core: Any, records: Sequence[PoolRecord], on_idle: Callable[[], None]
+        cls,
+        engine_core: Any,
+        records: Sequence[PoolRecord],
+        on_idle: Callable[[], bool],
+        wake_when: Callable[[], bool] | None = None,
     ) -> IdleControl | None:
-        """A started watcher, or None (logged) when this vLLM has no idle callbacks or wake-up request."""
+        """A started watcher, or None (logged) when this vLLM has no idle callbacks or wake-up request.
+        ``on_idle`` returns True when it left the engine with work; ``wake_when`` (polled every period, on
+        the watcher's thread): also wake the engine when it says so."""
         from vllm.v1.engine import EngineCoreRequestType
 
         # The engine core creates its list of idle callbacks after the scheduler: it is looked up when used.
         if engine_core is None or not hasattr(EngineCoreRequestType, "WAKEUP"):
             logger.info("elastic KV: kvctl changes apply at the engine's next step (no idle wake-up here)")
             return None
-        control = cls(engine_core, records, on_idle)
+        control = cls(engine_core, records, on_idle, wake_when=wake_when)
         control._thread.start()
         return control
 
@@ -93,7 +108,9 @@ class IdleControl:
             except ValueError:  # a record closed: the engine is shutting down
                 return
             callbacks = getattr(self._core, "_idle_state_callbacks", None)
-            if now != seen and not self._queued.is_set() and isinstance(callbacks, list):
+            if self._queued.is_set() or not isinstance(callbacks, list):
+                continue
+            if now != seen or (self._wake_when is not None and self._wake_when()):
                 seen = now
                 self._queued.set()
                 callbacks.append(self._run)
@@ -102,9 +119,12 @@ class IdleControl:
     def _run(self, _engine_core: Any) -> None:
         self._queued.clear()
         try:
-            self._on_idle()
+            busy = self._on_idle()
         except Exception:
             logger.exception("elastic KV: applying kvctl's change to the idle engine failed")
+            return
+        if busy:  # the loop blocks on its queue right after its idle callbacks: have it look again
+            self._core.input_queue.put_nowait(self._wakeup)
 
     def close(self) -> None:
         """Stop watching (idempotent)."""

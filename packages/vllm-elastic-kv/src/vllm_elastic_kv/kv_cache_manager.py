@@ -88,6 +88,9 @@ class ElasticKVCacheManager(KVCacheManager):
         self._block_sizes = [int(m.block_size) for m in self.coordinator.single_type_managers]
         pool = self.block_pool
         self._pool: ElasticBlockPool | None = pool if isinstance(pool, ElasticBlockPool) else None
+        # Calls answered None (memory refused): the scheduler waits instead of spinning when a step
+        # scheduled nothing for want of memory (vllm_elastic_kv.fit.Stall).
+        self.refusals = 0
 
     def allocate_slots(
         self, request: Any, num_new_tokens: Any, *args: Any, num_lookahead_tokens: Any = None, **kwargs: Any
@@ -135,7 +138,10 @@ class ElasticKVCacheManager(KVCacheManager):
         assert ledger is not None
         bound = admission_bound(self._block_sizes, args, kwargs)
         if ledger.free_backed_blocks >= bound:
-            return _vllm_allocate_slots(self, request, *args, **kwargs)  # backed already: nothing to do
+            blocks = _vllm_allocate_slots(self, request, *args, **kwargs)  # backed already: nothing to do
+            if blocks is None:  # a waiting request behind vLLM's watermark, or with more than the bound
+                self.refusals += 1
+            return blocks
         if not tried_backed:
             # The bound overestimates (most decode calls need no block at all): first try with the held
             # blocks only; vLLM returns None before changing anything if they do not suffice, and
@@ -145,4 +151,7 @@ class ElasticKVCacheManager(KVCacheManager):
             if blocks is not None:
                 return blocks
         with pool.counting(backed_only=False), pool.admission(bound, queued_hits(args, kwargs)):
-            return _vllm_allocate_slots(self, request, *args, **kwargs)
+            blocks = _vllm_allocate_slots(self, request, *args, **kwargs)
+        if blocks is None:
+            self.refusals += 1
+        return blocks

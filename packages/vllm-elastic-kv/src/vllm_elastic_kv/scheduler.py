@@ -10,15 +10,17 @@ picks the one matching ``async_scheduling``). They change these things:
   (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
 * ``add_request``: the pool starts mapping what the new request's prompt needs, in the background;
 * ``schedule``: first, while the pool is over a lowered limit, the requests holding blocks on the pages
-  it releases are preempted (:mod:`vllm_elastic_kv.evacuate`); while vLLM schedules the step, the pool
-  counts only the blocks it holds (the running requests' fast path); after it, the step's release epoch
-  starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a decode step refills the reserve
-  only below what decode steps take, see :mod:`elastic_kv.reserve`);
+  it releases are preempted (:mod:`vllm_elastic_kv.evacuate`), and requests that need more than the pool's
+  limit or budget lets a request hold end with an error (:mod:`vllm_elastic_kv.fit`); while vLLM schedules
+  the step, the pool counts only the blocks it holds (the running requests' fast path); a step that
+  scheduled nothing for want of memory waits until something may have changed instead of spinning; after
+  it, the step's release epoch starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a
+  decode step refills the reserve only below what decode steps take, see :mod:`elastic_kv.reserve`);
 * ``_preempt_request``: every preemption (vLLM's own, or the limit's) is counted in the pool's record,
   where ``kvctl limit --wait`` reads what a limit cost;
-* ``update_from_output``: pages emptied while that step could still read them are released now; when no
-  request is left (also after ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null
-  block's page.
+* ``update_from_output``: pages emptied while that step could still read them are released now, and the
+  outputs of the requests ended for not fitting are added; when no request is left (also after
+  ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null block's page.
 
 While the engine is idle, ``kvctl`` changes (trim, limit, budget) are applied by
 :class:`~vllm_elastic_kv.idle.IdleControl`, which wakes the engine core's loop to run them on its thread.
@@ -39,6 +41,7 @@ from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.evacuate import drain_order, vacate_draining_pages
 from vllm_elastic_kv.features import check_model, describe_groups
+from vllm_elastic_kv.fit import RequestFit, RequestNeeds, Stall
 from vllm_elastic_kv.idle import IdleControl, constructing_engine_core
 from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
 from vllm_elastic_kv.scheduler_pool import SchedulerPool
@@ -62,6 +65,8 @@ class ElasticSchedulerMixin:
     """Mixed in before vLLM's scheduler class; see the module docstring."""
 
     elastic_pool: SchedulerPool
+    elastic_fit: RequestFit
+    elastic_stall: Stall
     kv_cache_manager: Any  # vLLM's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -86,34 +91,67 @@ class ElasticSchedulerMixin:
             self.kv_cache_manager, ElasticKVCacheManager
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
-        self.elastic_pool = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
-        self.elastic_pool.ledger.drain_order = functools.partial(drain_order, self)
-        # kvctl's changes reach an idle engine too (its loop blocks until a request arrives otherwise).
-        self.elastic_pool.idle_control = IdleControl.for_engine(
-            constructing_engine_core(),
-            [share.record for share in self.elastic_pool.shares],
-            self.elastic_pool.apply_control_idle,
+        self.elastic_pool = elastic = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+        elastic.ledger.drain_order = functools.partial(drain_order, self)
+        needs = RequestNeeds(kv_cache_config, vllm_config.model_config.max_model_len)
+        self.elastic_fit = RequestFit(
+            needs, elastic.ledger, elastic.record.name, plugin.elastic.publish_interval_s
         )
+        records = [share.record for share in elastic.shares]
+        stall = Stall(elastic.ledger.outside_room, records, wakeable=False)
+
+        def on_idle() -> bool:
+            stalled = stall.stalled
+            stall.end()
+            elastic.apply_control_idle()
+            return stalled  # its requests may run now: the engine has work
+
+        # kvctl's changes reach an idle engine too (its loop blocks until a request arrives otherwise), and
+        # so does room for a stalled scheduler's requests.
+        elastic.idle_control = IdleControl.for_engine(
+            constructing_engine_core(), records, on_idle, wake_when=stall.room_grew
+        )
+        stall.wakeable = elastic.idle_control is not None
+        self.elastic_stall = stall
 
     def add_request(self, request: Any) -> None:
         """vLLM's ``add_request``; then the pool maps ahead for the prompt (see
         :meth:`~vllm_elastic_kv.scheduler_pool.SchedulerPool.request_added`)."""
         super().add_request(request)  # type: ignore[misc]
+        self.elastic_stall.end()
         self.elastic_pool.request_added(request.num_tokens)
+        self.elastic_fit.request_added(request.num_tokens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, counting only the blocks the pool holds for its running requests (see
-        :mod:`vllm_elastic_kv.kv_cache_manager`), after vacating the pages a lowered limit releases; the
-        returned step carries its release epoch."""
-        if self.elastic_pool.ledger.draining:
+        :mod:`vllm_elastic_kv.kv_cache_manager`), after vacating the pages a lowered limit releases and
+        ending the requests that cannot fit under the pool's ceiling (:mod:`vllm_elastic_kv.fit`); when it
+        scheduled nothing for want of memory and no step is in flight, it first waits for a change
+        (:class:`~vllm_elastic_kv.fit.Stall`). The returned step carries its release epoch."""
+        elastic = self.elastic_pool
+        if elastic.ledger.draining:
             vacate_draining_pages(self)
-        with self.elastic_pool.block_pool.counting(backed_only=True):
+        self.elastic_fit.observe(self)
+        refusals = self.kv_cache_manager.refusals
+        with elastic.block_pool.counting(backed_only=True):
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        # A decode step (one token per scheduled request) leaves the GPU bound by memory bandwidth.
         tokens = output.total_num_scheduled_tokens
+        if not tokens and self.kv_cache_manager.refusals != refusals and not elastic.epochs.in_flight:
+            self.elastic_stall.begin()
+            elastic.ledger.publish()  # kvctl sees the waiting requests' need while the loop waits
+            if not self.elastic_stall.wakeable:
+                self.elastic_stall.wait()
+        # A decode step (one token per scheduled request) leaves the GPU bound by memory bandwidth.
         light = 0 < tokens == len(output.num_scheduled_tokens)
         setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched(light))
         return output
+
+    def has_requests(self) -> bool:
+        """vLLM's ``has_requests``, except while the scheduler is stalled (:class:`.fit.Stall`) with no
+        finished request left to report: then vLLM's engine loop waits for input as when idle."""
+        if self.elastic_stall.stalled and not self.has_finished_requests():  # type: ignore[attr-defined]
+            return False
+        return bool(super().has_requests())  # type: ignore[misc]
 
     def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """vLLM's ``_preempt_request``, counted in the pool's snapshot."""
@@ -121,9 +159,13 @@ class ElasticSchedulerMixin:
         self.elastic_pool.ledger.note_preempted()
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM's ``update_from_output``; then pages the finished step could read may be released."""
+        """vLLM's ``update_from_output``, with the final outputs of the requests ended for not fitting; then
+        pages the finished step could read may be released."""
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        outputs = self.elastic_fit.add_outputs(outputs)
         idle = not self.has_unfinished_requests()  # type: ignore[attr-defined]
+        if idle:
+            self.elastic_fit.went_idle()
         self.elastic_pool.step_completed(getattr(scheduler_output, _EPOCH_ATTR, None), idle)
         return outputs
 
@@ -131,6 +173,7 @@ class ElasticSchedulerMixin:
         """vLLM's ``reset_prefix_cache``; on success the pool returns its memory when idle, and this returns
         once it is free (``sleep`` resets the prefix cache to release the KV cache's memory)."""
         ok = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
+        self.elastic_stall.end()
         if ok:
             self.elastic_pool.settle_idle(wait=True)
         return ok
@@ -138,7 +181,9 @@ class ElasticSchedulerMixin:
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``finish_requests`` (aborts); if that left the engine idle, the pool settles."""
         result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        self.elastic_stall.end()
         if not self.has_unfinished_requests():  # type: ignore[attr-defined]
+            self.elastic_fit.went_idle()
             self.elastic_pool.settle_idle()
         return result
 

@@ -13,6 +13,7 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import PoolExhausted
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ledger.drain import Drain
+from elastic_kv.ledger.fit import blocks_within, bytes_for_blocks
 from elastic_kv.ledger.guard import PoolGuard
 from elastic_kv.ledger.page_backing import PageBacking
 from elastic_kv.ledger.page_book import PageBook
@@ -108,6 +109,10 @@ class Ledger:
         self._drain = Drain(self._book, self._phys, self._backing, name, null_block, self._snapshot)
         self._release = PageRelease(self._book, self._backing, self._phys, cfg, self._drain)
         self._phys.refresh(force=True)
+        self._largest_request = 0  # blocks the engine's largest unfinished request needs
+        self._failed = 0  # requests the engine ended because they need more than the ceiling (note_failed)
+        self._fit_blocks = 0  # max_request_blocks under the current ceiling
+        self._follow_ceiling()
 
     def _map_first_page(self, page: int, wait_s: float, clock: Callable[[], float]) -> None:
         """Back the null block's page. While a limit or the device budget has no room for it (neighbours
@@ -200,6 +205,59 @@ class Ledger:
     def note_preempted(self, requests: int = 1) -> None:
         """The engine preempted ``requests`` requests: counted in the snapshot (``kvctl limit --wait``)."""
         self._drain.preemptions += requests
+
+    # -- requests that cannot fit: what the ceiling lets them hold, what engines report (.fit) ------------
+
+    @property
+    def max_request_blocks(self) -> int:
+        """The most blocks the engine's requests can hold together under the pool's ceiling -- its limit and
+        its devices' budgets (:mod:`elastic_kv.ledger.fit`) -- or every block it can issue when neither is
+        set. A request that needs more can never run until ``kvctl`` raises the ceiling: engines end it
+        with an error rather than let it wait. O(1); follows ``kvctl``'s changes from :meth:`maintain`."""
+        return self._fit_blocks
+
+    def max_request_blocks_now(self) -> int:
+        """:attr:`max_request_blocks` under the limit and budgets the records hold now, which ``maintain``
+        may not have applied yet: an engine about to end a request checks this first, so a ceiling that
+        ``kvctl`` just raised ends nothing. Reads the records' mappings; any thread."""
+        return self._blocks_under(self._phys.ceiling(fresh=True))
+
+    def bytes_for_blocks(self, blocks: int) -> int:
+        """The least the pool must hold (one rank's bytes) for requests to hold ``blocks`` blocks beside its
+        null block; 0 for none (:func:`elastic_kv.ledger.fit.bytes_for_blocks`)."""
+        return bytes_for_blocks(self._geo, blocks, null_block=self._null is not None)
+
+    def outside_room(self) -> int:
+        """Bytes the pool's records (its limit, its devices' budgets) and the driver's free memory would let
+        it charge now, read afresh rather than from the cache ``maintain`` refreshes. Any thread: an engine
+        waiting for room watches it grow from another thread."""
+        return self._phys.outside_room()
+
+    def note_largest_request(self, blocks: int) -> None:
+        """The engine's largest unfinished request needs ``blocks`` blocks to take its next step (0: no
+        request). Published as the snapshot's ``largest_request_bytes``, below which ``kvctl`` refuses a
+        limit or a budget. Any thread (a plain store)."""
+        self._largest_request = max(0, blocks)
+
+    @property
+    def failed_requests(self) -> int:
+        """Requests the engine ended because they need more than the ceiling (:meth:`note_failed`)."""
+        return self._failed
+
+    def note_failed(self, requests: int = 1) -> None:
+        """The engine ended ``requests`` requests with an error because they need more blocks than
+        :attr:`max_request_blocks`: counted in the snapshot (``kvctl limit --wait`` reports them)."""
+        self._failed += requests
+
+    def _follow_ceiling(self) -> None:
+        """Recompute :attr:`max_request_blocks` from the limit and the budgets now in force."""
+        self._fit_blocks = self._blocks_under(self._phys.ceiling())
+
+    def _blocks_under(self, ceiling: int) -> int:
+        has_null = self._null is not None
+        if not ceiling:
+            return self._book.nb - has_null
+        return blocks_within(self._geo, ceiling, null_block=has_null)
 
     @property
     def free_backed_blocks(self) -> int:
@@ -373,6 +431,7 @@ class Ledger:
         if events is not None:
             if events.limit_changed:  # the pool limit or the GPU-wide budget
                 self._drain.apply_limit(self._phys.record_limit())
+                self._follow_ceiling()
             if events.trim_requested:
                 self._backing.unmap_reserve(0)
                 self._trimmed = True  # not refilled by idle calls (an idle SGLang calls every pass)
@@ -464,6 +523,7 @@ class Ledger:
         if get_ident() != self._guard.owner:
             self._guard.refuse()
         self._drain.apply_limit(limit_bytes)
+        self._follow_ceiling()
 
     def trim(self, keep: int = 0) -> int:
         """Unmap reserve pages now, all but the ``keep`` most recently added; returns how many were
@@ -527,4 +587,6 @@ class Ledger:
             misses=self._misses,
             epoch=self._epoch,
             preemptions=self._drain.preemptions,
+            largest_request_bytes=self.bytes_for_blocks(self._largest_request),
+            failed_requests=self._failed,
         )

@@ -27,9 +27,13 @@ def pool_snapshot(
     misses: int,
     epoch: int,
     preemptions: int,
+    largest_request_bytes: int = 0,
+    failed_requests: int = 0,
 ) -> PoolSnapshot:
     """The statistics of the pool ``guard.name`` now (``has_null``: the pool holds a null block, which
-    counts as neither used nor free; ``preemptions``: requests the engine preempted)."""
+    counts as neither used nor free; ``preemptions``: requests the engine preempted;
+    ``largest_request_bytes``: what its largest request needs; ``failed_requests``: requests the engine
+    ended because they need more than the pool's ceiling)."""
     if guard.closed:
         state = PoolState.CLOSED
     elif guard.broken is not None:
@@ -63,4 +67,6 @@ def pool_snapshot(
         timestamp=time.time(),
         preemptions=preemptions,
         draining_pages=book.drain_count,
+        largest_request_bytes=largest_request_bytes,
+        failed_requests=failed_requests,
     )

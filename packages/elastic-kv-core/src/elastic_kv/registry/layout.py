@@ -10,8 +10,10 @@ What never changes between versions (so that any release can reclaim any other r
 the file names (``<pool>.pool``, ``<device>.device``), the first 8 bytes (magic, version, size) and the
 liveness protocol in :mod:`elastic_kv.registry.files` (the owner holds an exclusive ``flock`` on its record).
 
-Field offsets are computed by a cursor with natural alignment, so adding a field means appending it and
-bumping the version; the offsets of existing fields never move within one version.
+Field offsets are computed by a cursor with natural alignment; the offsets of existing fields never move
+within one version. A new field whose zero means "not written" is appended at the end of the record (files
+are created zero-filled, so records of older writers read 0 there, and older readers ignore it); any other
+change -- a field that moves, grows or changes meaning -- bumps the version.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "HISTOGRAM_BOUNDS",
     "LATENCY_OPS",
     "RECORD_NO_LIMIT",
+    "SNAPSHOT_APPENDED_INT_FIELDS",
     "SNAPSHOT_INT_FIELDS",
     "UNLIMITED",
     "DeviceLayout",
@@ -66,6 +69,10 @@ SNAPSHOT_INT_FIELDS: tuple[str, ...] = (
     "inflight_pages", "mapped_bytes", "limit_bytes", "reserve_hits", "reserve_misses", "epoch", "preemptions",
     "draining_pages",
 )  # fmt: skip
+# Integer fields of PoolSnapshot added after layout version 2 was released. They are stored after ``flags``,
+# so the offsets of version 2 do not move: a record of a writer that predates them reads 0 there, and a
+# reader that predates them ignores them. Written and read under the same sequence lock as the others.
+SNAPSHOT_APPENDED_INT_FIELDS: tuple[str, ...] = ("largest_request_bytes", "failed_requests")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +240,7 @@ class RecordLayout:
     stats_end = _c.offset
     # Set when the record is created (RECORD_NO_LIMIT ...); 0 in records of writers that predate it.
     flags = _c.integer("Q")
+    appended_snapshot_ints = _c.integers(len(SNAPSHOT_APPENDED_INT_FIELDS))
     del _c
 
 

@@ -54,6 +54,7 @@ from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
     RECORD_NO_LIMIT,
+    SNAPSHOT_APPENDED_INT_FIELDS,
     SNAPSHOT_INT_FIELDS,
     UNLIMITED,
     RecordLayout,
@@ -308,6 +309,12 @@ class PoolRecord:
         return RecordLayout.limit_bytes.get(self._map)
 
     @property
+    def budget_bytes(self) -> int:
+        """The GPU-wide budget of the pool's device, ``UNLIMITED`` (0) for none. ``kvctl`` may change it any
+        time."""
+        return self._budget.budget_bytes
+
+    @property
     def charged_bytes(self) -> int:
         """Physical bytes this pool has charged."""
         return self._budget.slot_charge(self._owned.slot)
@@ -417,6 +424,7 @@ class PoolRecord:
         The pool's name in the registry is the record's; ``snapshot.name`` is not stored.
         """
         ints = [int(getattr(snapshot, field)) for field in SNAPSHOT_INT_FIELDS]
+        appended = [int(getattr(snapshot, field)) for field in SNAPSHOT_APPENDED_INT_FIELDS]
         with self._stats_lock:
             self._check_open()
             m = self._map
@@ -425,6 +433,8 @@ class PoolRecord:
             RecordLayout.snapshot_timestamp.put(m, snapshot.timestamp)
             for index, value in enumerate(ints):
                 RecordLayout.snapshot_ints.put(m, index, value)
+            for index, value in enumerate(appended):
+                RecordLayout.appended_snapshot_ints.put(m, index, value)
             RecordLayout.published.put(m, RecordLayout.published.get(m) + 1)
             self._end_stats_write()
 

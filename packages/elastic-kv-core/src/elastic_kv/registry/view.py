@@ -38,6 +38,7 @@ from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
     LATENCY_OPS,
     RECORD_NO_LIMIT,
+    SNAPSHOT_APPENDED_INT_FIELDS,
     SNAPSHOT_INT_FIELDS,
     UNLIMITED,
     IntField,
@@ -178,12 +179,14 @@ def _decode_stats(name: str, raw: bytes) -> tuple[PoolSnapshot | None, tuple[Lat
     snapshot = None
     if RecordLayout.published.get(raw):
         ints = RecordLayout.snapshot_ints.get_all(raw)
+        appended = RecordLayout.appended_snapshot_ints.get_all(raw)
         try:
             snapshot = PoolSnapshot(
                 name=name,
                 state=PoolState(RecordLayout.snapshot_state.get(raw)),
                 timestamp=RecordLayout.snapshot_timestamp.get(raw),
                 **dict(zip(SNAPSHOT_INT_FIELDS, ints, strict=True)),
+                **dict(zip(SNAPSHOT_APPENDED_INT_FIELDS, appended, strict=True)),
             )
         except ValueError:
             state = RecordLayout.snapshot_state.get(raw)

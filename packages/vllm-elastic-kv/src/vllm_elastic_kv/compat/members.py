@@ -68,7 +68,13 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     # scheduler: add_request is overridden (maps ahead for the prompt); the step's shape is read
     "vllm.v1.core.sched.scheduler.Scheduler": ("add_request",),
     "vllm.v1.core.sched.output.SchedulerOutput": ("total_num_scheduled_tokens", "num_scheduled_tokens"),
-    "vllm.v1.request.Request": ("num_tokens",),
+    "vllm.v1.request.Request": ("num_tokens", "is_finished"),
+    # requests that can never fit end with vLLM's request-level error and an output of their own (fit)
+    "vllm.v1.request.RequestStatus": ("FINISHED_ERROR",),
+    "vllm.v1.engine": ("EngineCoreOutput", "EngineCoreOutputs", "FinishReason"),
+    "vllm.v1.engine.EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason", "stop_reason"),
+    "vllm.v1.engine.EngineCoreOutputs": ("outputs",),
+    "vllm.v1.engine.FinishReason": ("ERROR",),
     # workers: the CPU worker is subclassed like the GPU one
     "vllm.v1.worker.cpu_worker": ("CPUWorker",),
     "vllm.platforms.interface.Platform": ("is_cpu", "is_cuda_alike", "is_rocm"),
@@ -91,12 +97,13 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "world_size",
     ),
     f"{_CONFIG}.CacheConfig": ("kv_cache_memory_bytes",),
-    f"{_CONFIG}.ModelConfig": ("model", "enable_sleep_mode", "sleep_mode_backend"),
+    f"{_CONFIG}.ModelConfig": ("model", "enable_sleep_mode", "sleep_mode_backend", "max_model_len"),
     f"{_CONFIG}.CompilationConfig": ("static_forward_context",),
     # the KV cache plan the geometry is built from
     f"{_IFACE}.KVCacheConfig": ("num_blocks", "kv_cache_tensors", "kv_cache_groups"),
     f"{_IFACE}.KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
     f"{_IFACE}.KVCacheSpec": ("block_size",),
+    f"{_IFACE}.SlidingWindowSpec": ("sliding_window",),
     f"{_IFACE}.KVCacheTensor": ("size",),
     # sleep mode into the host arena (vllm_elastic_kv.sleep): each allocation's handle
     # (device, size, address, ...), tag, host copy and state, and the runtime library vLLM copies with
@@ -126,8 +133,8 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
     # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
-    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running"),
-    "vllm.v1.request.Request": ("request_id",),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests"),
+    "vllm.v1.request.Request": ("request_id", "client_index"),
     "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank"),
     "vllm.device_allocator.cumem.CuMemAllocator": ("pointer_to_data",),
 }
