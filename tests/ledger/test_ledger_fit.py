@@ -3,6 +3,7 @@ or a budget, the bytes a request needs, and how the ledger follows ``kvctl`` and
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -99,5 +100,34 @@ def test_what_the_engine_reports_is_published(tmp_path: Path) -> None:
         snap = view.pool("said").snapshot
         assert snap is not None and snap.largest_request_bytes == 0 and snap.failed_requests == 2
     finally:
+        pool.close()
+        record.close()
+
+
+def test_an_admission_check_sees_a_neighbour_charge_at_once(tmp_path: Path) -> None:
+    """``available_size`` is a hint read from the headroom ``maintain`` last cached (its TTL is long against
+    another pool's charge); ``refresh_room`` re-reads it, so an engine that admits right after sees the
+    budget a neighbour took, whatever the age of the last reading."""
+    view = registry.Registry(tmp_path)
+    record = registry.PoolRecord.create(
+        "admit", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+    )
+    slow = dataclasses.replace(CFG, free_memory_ttl_s=3600.0)
+    pool = make_pool(config=slow, record=record, name=record.name)
+    neighbour = registry.PoolRecord.create(
+        "neighbour", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+    )
+    led, page = pool.ledger, small_geometry().page_bytes
+    try:
+        view.set_budget("gpu0", 8 * page)
+        led.maintain()  # the budget is seen (a limit change forces a reading)
+        assert led.available_size() >= 4 * 4
+        assert neighbour.try_charge(8 * page - record.charged_bytes)
+        assert led.available_size() >= 4 * 4  # the cached reading: the neighbour's charge is not seen
+        led.refresh_room()
+        assert led.available_size() == 3  # the null block's page, backed already: nothing more to charge
+        assert led.alloc(4) is None
+    finally:
+        neighbour.close()
         pool.close()
         record.close()

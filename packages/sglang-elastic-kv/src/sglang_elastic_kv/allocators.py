@@ -20,8 +20,9 @@ SGLang's idle leak check requires ``available + evictable + ... == max_total_num
 what the ledger can still map under its limit), and it is what the scheduler's capacity hooks see:
 ``create_prefill_budget`` (admission), ``check_decode_capacity`` (retraction) and
 ``evict_to_free_tokens`` (prefix-cache eviction). So physical pressure makes SGLang defer or retract, as
-it does when its own pool is full; ``alloc`` returning None (which SGLang treats as fatal) happens only if
-memory vanished between the check and the allocation.
+it does when its own pool is full. Each admission pass reads the headroom outside the pool afresh
+(:func:`refresh_headroom`), so ``alloc`` returning None (which SGLang treats as fatal) happens only if
+another pool takes the device's budget within that pass, between the check and the allocation.
 """
 
 from __future__ import annotations
@@ -48,10 +49,19 @@ __all__ = [
     "ElasticPagedTokenToKVPoolAllocator",
     "ElasticPrefillBudget",
     "ElasticTokenToKVPoolAllocator",
+    "refresh_headroom",
     "room_after_eviction",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def refresh_headroom(allocator: Any) -> None:
+    """Before an admission pass: each elastic part re-reads the headroom outside its pool (other pools'
+    charges under the device's budget, the driver's free memory): an ``alloc`` that fails after admission
+    is fatal to SGLang, and the last reading may be older than another pool's charge."""
+    for part in allocator.elastic_parts():
+        part.elastic_refresh_room()
 
 
 def room_after_eviction(backable: int, evictable: int, limit_room: int | None) -> int:
@@ -74,6 +84,7 @@ class ElasticPrefillBudget(PrefillBudget):
         super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
         compat.check_instance(self, "sglang.srt.mem_cache.prefill_budget.PrefillBudget")
         # One budget serves one scheduling pass, during which nothing is allocated: read the limit once.
+        refresh_headroom(allocator)
         self._limit_room = allocator.elastic_limit_room()
 
     def _available_and_evictable(self) -> int:
@@ -180,6 +191,10 @@ class ElasticAllocatorMixin:
     def elastic_over_limit(self) -> bool:
         """True while the pool holds more than its limit (``kvctl`` lowered it): it is shrinking."""
         return self._ledger.over_limit()
+
+    def elastic_refresh_room(self) -> None:
+        """Re-read the headroom outside the pool (:meth:`elastic_kv.ledger.Ledger.refresh_room`)."""
+        self._ledger.refresh_room()
 
     def elastic_limit_room(self) -> int | None:
         """Token slots the pool could hold beyond its live blocks under its own limit (negative while it is

@@ -21,10 +21,12 @@ request's whole sequence (``rows_per_block`` tokens a block); a sliding-window p
 and counts nothing here, so the need is a lower bound and no request is ended that could have fit.
 
 While requests wait for memory that may still come (another pool holds the device's budget), SGLang's loop
-finds no batch and calls ``on_idle``, which returns at once while requests wait: the loop spins. An AFTER hook
-on ``Scheduler.on_idle`` then sleeps the way SGLang sleeps when fully idle (``maybe_sleep_on_idle``: a poll of
-its input sockets for up to a second, with ``--sleep-on-idle``; without it SGLang polls busily when idle too,
-by design). The largest waiting or running request's need is published with the pool's snapshot
+finds no batch and calls ``on_idle``, which returns at once while requests wait: the loop spins, and the
+idle housekeeping where the ledger follows ``kvctl`` and the budget (``verify_byte_accounting``) never runs.
+An AFTER hook on ``Scheduler.on_idle`` then, with nothing in flight, sleeps the way SGLang sleeps when fully
+idle (``maybe_sleep_on_idle``: a poll of its input sockets for up to a second, with ``--sleep-on-idle``;
+without it SGLang polls busily when idle too, by design) and runs that housekeeping, so a raised limit
+admits them. The largest waiting or running request's need is published with the pool's snapshot
 (``largest_request_bytes``) so ``kvctl`` can refuse a limit or a budget below it.
 """
 
@@ -127,8 +129,12 @@ def on_idle_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Non
     SGLang does when fully idle, instead of polling again at once."""
     if not scheduler.waiting_queue or not _parts(scheduler):
         return
-    if not scheduler.running_batch.is_empty() or scheduler.chunked_req is not None:
-        return
     if scheduler.is_fully_idle():
-        return  # SGLang's own on_idle slept already
+        return  # SGLang's own on_idle did its housekeeping and slept
+    if not scheduler.is_fully_idle(ignore_waiting=True):
+        return  # a batch runs or its results are pending
     scheduler.maybe_sleep_on_idle()
+    # SGLang's on_idle skips its idle housekeeping while requests wait, and that is where the ledger follows
+    # kvctl and the device's budget: without it a raised limit would never admit them. Nothing is in flight.
+    for problem in scheduler.token_to_kv_pool_allocator.verify_byte_accounting():
+        logger.error("elastic KV pool check while requests wait for memory: %s", problem)

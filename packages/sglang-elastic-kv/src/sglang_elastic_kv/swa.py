@@ -48,6 +48,7 @@ from sglang_elastic_kv.allocators import (
     ElasticAllocatorMixin,
     ElasticPagedTokenToKVPoolAllocator,
     ElasticTokenToKVPoolAllocator,
+    refresh_headroom,
     room_after_eviction,
 )
 from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
@@ -70,6 +71,7 @@ class ElasticSWAPrefillBudget(SWAPrefillBudget):
         )
         compat.check_instance(self, "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget")
         # One budget serves one scheduling pass, during which nothing is allocated: read the limits once.
+        refresh_headroom(allocator)
         self._full_limit_room = allocator.full_attn_allocator.elastic_limit_room()
         self._swa_limit_room = allocator.swa_attn_allocator.elastic_limit_room()
 

@@ -227,6 +227,16 @@ class Ledger:
         null block; 0 for none (:func:`elastic_kv.ledger.fit.bytes_for_blocks`)."""
         return bytes_for_blocks(self._geo, blocks, null_block=self._null is not None)
 
+    def refresh_room(self) -> None:
+        """Re-read the physical headroom (records and driver) that :meth:`available_size` uses, whatever its
+        age, for an engine about to admit requests on it: another pool may have taken the budget since the
+        last reading, and an engine whose allocation then fails after admission may not recover (SGLang's
+        does not). A record read where the budget binds and a driver query: microseconds, once per
+        admission pass. What another pool takes between this and the allocation is still a race."""
+        if get_ident() != self._guard.owner:
+            self._guard.refuse()
+        self._phys.refresh(force=True)
+
     def outside_room(self) -> int:
         """Bytes the pool's records (its limit, its devices' budgets) and the driver's free memory would let
         it charge now, read afresh rather than from the cache ``maintain`` refreshes. Any thread: an engine
