@@ -72,6 +72,7 @@ def _engine_modules_first(items: list[pytest.Item]) -> None:
     with one marked ``vllm`` or ``sglang``, then the rest. pytest-xdist's ``loadscope`` hands modules out
     in this order (with ``--no-loadscope-reorder``), so the long ones start early and the short ones even
     out the workers' ends. Every worker computes the same order, as xdist requires."""
+
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::")[0]
 
