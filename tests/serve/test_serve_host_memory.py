@@ -243,6 +243,30 @@ def test_preload_starts_every_model_and_leaves_the_ones_that_do_not_fit_asleep(t
         srv.stop()
 
 
+def test_an_engine_whose_core_died_behind_its_live_server_is_stopped_not_waited_for(tmp_path: Path) -> None:
+    """vLLM's API server outlives a dead engine core while clients hold connections, and a sleep sent to it
+    never answers. A wake that needs its room must not wait for that sleep: the server sees /health fail,
+    stops the engine, wakes the other model, and starts the dead one again on its next request."""
+    (tmp_path / "p").mkdir()
+    srv = ServeProcess(
+        tmp_path / "p",
+        {"budget": "10M", "host_budget": "10M", "preload": True, "wake_timeout_s": 120},
+        [_toy("hi", tmp_path, 1, delay=0.5), _toy("lo", tmp_path, 2, delay=0.5)],
+    )
+    try:
+        status = srv.wait_for({"hi": "awake", "lo": "asleep"}, timeout_s=60)
+        httpx.post(f"http://127.0.0.1:{status['hi']['port']}/fail_core", timeout=10).raise_for_status()
+        t0 = time.monotonic()
+        assert _text(_ask(srv, "lo")) == _expected(tmp_path, "lo", "hello")
+        took = time.monotonic() - t0
+        assert took < 30, f"the wake waited {took:.0f} s for a dead engine's sleep"
+        assert "engine of hi died while it was asked to sleep" in srv.log_tail(200)
+        assert _transitions(srv.status(), "hi", "sleep")[-1]["level"] == "stop"
+        assert _text(_ask(srv, "hi")) == _expected(tmp_path, "hi", "hello")  # started again
+    finally:
+        srv.stop()
+
+
 def test_a_serving_model_whose_kv_fills_the_budget_gets_an_idle_neighbours_memory(tmp_path: Path) -> None:
     """Two models awake in a 25 MiB budget (10 MiB weights each, never idle-sleeping): a request to ``a``
     holding 12 MiB of KV (charged to its real pool record) fills the 5 MiB left; ``b``, idle, is put to sleep

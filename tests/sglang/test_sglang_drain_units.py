@@ -169,6 +169,7 @@ def test_the_scheduler_hook_makes_its_elastic_allocators_follow_the_running_batc
             token_to_kv_pool_allocator=alloc,
             running_batch=SimpleNamespace(reqs=["r"]),
             req_to_token_pool=table,
+            waiting_queue=[],
         )
         follow_scheduler_after(None, scheduler)
         assert alloc._running() == (["r"], table)

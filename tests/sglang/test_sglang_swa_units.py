@@ -375,7 +375,10 @@ def test_a_drain_of_the_sliding_window_side_reaches_the_requests_through_the_slo
         table.write((i, slice(0, 512)), slots.to(torch.int32))
         reqs.append(SimpleNamespace(kv=ReqKvInfo(req_pool_idx=i, kv_allocated_len=512)))
     scheduler = SimpleNamespace(
-        token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=reqs), req_to_token_pool=table
+        token_to_kv_pool_allocator=alloc,
+        running_batch=SimpleNamespace(reqs=reqs),
+        req_to_token_pool=table,
+        waiting_queue=[],
     )
     follow_scheduler_after(None, scheduler)
     full_ledger, swa_ledger = _ledgers(pool)

@@ -20,7 +20,9 @@ owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropp
 engine stays as it is). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
 their KV back (preempted) and pause while it sleeps, then grow it again and finish after the wake-up;
 ``--refuse-keep`` answers such a sleep with 409 and stays awake. ``GET /stats``: preemptions, and the
-requests suspended by a sleep.
+requests suspended by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
+engine core can while its API server waits for clients to close their connections: ``/health`` answers 503
+from then on, and completions, sleeps and wakes wait for an answer that never comes.
 """
 
 from __future__ import annotations
@@ -148,9 +150,23 @@ class Engine:
 def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
     app = FastAPI()
 
+    core_dead = asyncio.Event()
+
+    async def core() -> None:
+        """Returns while the core lives; never once it died (a request to it waits forever)."""
+        if core_dead.is_set():
+            await asyncio.Event().wait()
+
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        if core_dead.is_set():
+            return JSONResponse({"error": "engine core died"}, status_code=503)
         return {"status": "ok"}
+
+    @app.post("/fail_core")
+    async def fail_core() -> dict[str, str]:
+        core_dead.set()
+        return {"core": "dead"}
 
     @app.get("/stats")
     async def stats() -> dict[str, int]:
@@ -159,6 +175,7 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
+        await core()
         if engine.weights is None:
             return JSONResponse({"error": {"message": "asleep", "code": 503}}, status_code=503)
         n = int(body.get("max_tokens", 8))
@@ -189,6 +206,7 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
 
     @app.post("/sleep")
     async def sleep(level: int = 1, mode: str = "abort") -> Any:
+        await core()
         if mode == "keep":
             if refuse_keep:
                 return JSONResponse({"error": "this engine cannot keep requests asleep"}, status_code=409)
@@ -198,6 +216,7 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
 
     @app.post("/wake_up")
     async def wake_up(level: int = 1) -> dict[str, int]:
+        await core()
         engine.wake(level)
         return {"level": level}
 

@@ -207,6 +207,8 @@ def test_a_suspension_frees_the_kv_keeps_it_freed_and_resumes_the_requests_alike
         resumed = [f.result(timeout=300) for f in kept]
     _kvctl(registry_dir, "budget", "cpu", "unlimited")
     assert resumed == alone
-    assert all(len(c) == 300 for c in chunks)
+    # Every request streamed on after the wake (vLLM may put several tokens in one chunk when the client
+    # lags, so chunks are not counted as tokens).
+    assert all(c[-1] > paused_at + 1.0 for c in chunks)
     late = [t for c in chunks for t in c if paused_at < t < paused_at + 1.0]
     assert not late, "tokens came while the scheduler was paused"

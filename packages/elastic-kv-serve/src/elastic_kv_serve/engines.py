@@ -22,10 +22,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import httpx
 from elastic_kv.host import ENV_HOST_ARENA
@@ -33,9 +33,11 @@ from elastic_kv.host import ENV_HOST_ARENA
 from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.kinds import SleepMode, kind_of
 
-__all__ = ["EngineProcess", "EngineStartError", "cause_in_log", "engine_env"]
+__all__ = ["EngineDied", "EngineProcess", "EngineStartError", "cause_in_log", "engine_env"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -47,6 +49,19 @@ class EngineStartError(RuntimeError):
     def __init__(self, message: str, cause: str | None = None) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class EngineDied(httpx.TransportError):
+    """An engine died while the server waited for it to sleep or wake: its process exited, or its server
+    refuses connections or answers ``/health`` with an error (vLLM's API server outlives a dead engine core
+    while clients keep connections open, and a sleep or wake sent to it then never answers). An
+    ``httpx.TransportError``, so that it is handled as any failed call to the engine."""
+
+
+# Seconds between two looks at an engine's health while a sleep or wake waits for it, and how many failed
+# looks in a row mean it died (a slow answer never counts: a wake that reloads weights keeps a server busy).
+WATCH_S = 5.0
+WATCH_FAILURES = 2
 
 
 # A line that names what went wrong: "ValueError: ...", "torch.OutOfMemoryError: ...", "... ERROR ... msg".
@@ -187,6 +202,40 @@ class EngineProcess:
         except httpx.HTTPError:
             return False
         return reply.status_code == 200
+
+    async def refuses(self, client: httpx.AsyncClient, timeout_s: float = WATCH_S) -> bool:
+        """Whether the engine says plainly that it cannot serve: its process exited, its server refuses the
+        connection, or ``/health`` answers other than 200. An answer that takes longer than ``timeout_s``
+        is not counted (a busy engine, not a dead one)."""
+        if not self.alive():
+            return True
+        try:
+            reply = await client.get(f"{self.url}{self.health_path}", timeout=timeout_s)
+        except httpx.TimeoutException:
+            return False
+        except httpx.HTTPError:
+            return True
+        return reply.status_code != 200
+
+    async def while_alive(self, client: httpx.AsyncClient, call: Awaitable[T], what: str) -> T:
+        """Await ``call`` (a sleep or a wake sent to this engine) while the engine lives: every
+        :data:`WATCH_S` it is asked :meth:`refuses`; :data:`WATCH_FAILURES` refusals in a row cancel the
+        call and raise :class:`EngineDied` (``what`` names the call in its message)."""
+        task = asyncio.ensure_future(call)
+        refused = 0
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+                if done:
+                    return task.result()
+                refused = refused + 1 if await self.refuses(client) else 0
+                if refused >= WATCH_FAILURES:
+                    raise EngineDied(f"engine of {self.name} died while it was asked to {what}")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
 
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):

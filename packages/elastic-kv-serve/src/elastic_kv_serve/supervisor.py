@@ -47,7 +47,7 @@ from elastic_kv.sizes import Percent
 
 from elastic_kv_serve import host, memory, policy
 from elastic_kv_serve.config import ServeConfig
-from elastic_kv_serve.engines import EngineProcess, EngineStartError, engine_env
+from elastic_kv_serve.engines import EngineDied, EngineProcess, EngineStartError, engine_env
 from elastic_kv_serve.kinds import SleepMode, flag_values, kind_of
 from elastic_kv_serve.metrics import ServeMetrics
 from elastic_kv_serve.runtime import ModelRuntime, State
@@ -207,7 +207,13 @@ class Supervisor:
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """A spawned task ended: forget it, and log the error that ended it (nobody awaits it)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task %s failed", task.get_name(), exc_info=task.exception())
 
     # ------------------------------------------------------------------ requests
 
@@ -300,7 +306,8 @@ class Supervisor:
                 engine = rt.engine
                 if engine is not None and engine.alive() and rt.sleep_level is not None:
                     level = str(rt.sleep_level)
-                    await kind_of(rt.config).wake(self.client, engine.url, rt.config, rt.sleep_level)
+                    wake = kind_of(rt.config).wake(self.client, engine.url, rt.config, rt.sleep_level)
+                    await engine.while_alive(self.client, wake, f"wake from level {level}")
                 else:
                     await self._cold_start(rt)
             except ModelUnavailable as exc:  # no room in time: it stays asleep, nothing failed
@@ -470,12 +477,14 @@ class Supervisor:
                 rt.set_state(State.AWAKE)
                 return
             try:
-                await kind.sleep(self.client, engine.url, rt.config, level, keep=True)
+                suspend = kind.sleep(self.client, engine.url, rt.config, level, keep=True)
+                await engine.while_alive(self.client, suspend, f"sleep at level {level} keeping its requests")
             except httpx.HTTPError as exc:
                 logger.warning("model %s was not suspended for %s: %s", rt.name, for_model.name, exc)
                 self._unsuspendable.add(rt.name)
                 try:
-                    await kind.wake(self.client, engine.url, rt.config, level)
+                    wake = kind.wake(self.client, engine.url, rt.config, level)
+                    await engine.while_alive(self.client, wake, f"wake from level {level}")
                 except httpx.HTTPError as wake_exc:
                     await self._failed(rt, f"wake after a refused suspension failed: {wake_exc}")
                     return
@@ -509,17 +518,23 @@ class Supervisor:
         kind = kind_of(rt.config)
         async with self._host_lock:
             level = 0
+            died = False
             if rt.sleep_mode == "engine" and rt.engine is not None:
                 level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
             try:
                 if level and rt.engine is not None:
-                    await kind.sleep(self.client, rt.engine.url, rt.config, level)
+                    sleep = kind.sleep(self.client, rt.engine.url, rt.config, level)
+                    await rt.engine.while_alive(self.client, sleep, f"sleep at level {level}")
                     rt.sleep_level = level
             except httpx.HTTPError as exc:
                 logger.warning("model %s did not sleep (%s): stopping its engine", rt.name, exc)
                 level = 0
+                died = isinstance(exc, EngineDied)
             if not level and rt.engine is not None:
-                await rt.engine.stop()
+                if died:  # a server whose engine died may wait for its clients before it exits
+                    rt.engine.kill()
+                else:
+                    await rt.engine.stop()
                 rt.engine = None
                 rt.sleep_level = None
                 await self._reclaim()
