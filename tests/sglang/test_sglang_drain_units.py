@@ -170,6 +170,7 @@ def test_the_scheduler_hook_makes_its_elastic_allocators_follow_the_running_batc
             running_batch=SimpleNamespace(reqs=["r"]),
             req_to_token_pool=table,
             waiting_queue=[],
+            tree_cache=None,
         )
         follow_scheduler_after(None, scheduler)
         assert alloc._running() == (["r"], table)

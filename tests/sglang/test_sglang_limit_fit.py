@@ -149,3 +149,20 @@ def test_a_request_that_must_wait_for_the_budget_waits_without_spinning(
         neighbour.close()
         registry.set_budget("cpu", 0)
     _nothing_left_behind(engine, registry_dir)
+
+
+def test_an_idle_engine_evicts_its_cached_prefixes_to_get_under_a_lowered_limit(
+    engine: EngineProcess, registry_dir: Path
+) -> None:
+    """SGLang evicts cached prefixes only when it allocates: an idle engine over a lowered limit must evict
+    them itself, or it never gets under it."""
+    assert len(engine.generate([_prompt(500, seed=4)], max_new_tokens=4)[0]) == 4
+    snap = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks > 0 and s.largest_request_bytes == 0)
+    assert snap.mapped_pages >= 3, snap  # the prompt's blocks stay cached on pages beyond the null page's
+    try:
+        done = kvctl(registry_dir, "limit", POOL, str(snap.page_bytes), "--wait", "60")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert settled_snapshot(registry_dir, POOL).mapped_bytes <= snap.page_bytes
+    finally:
+        Registry(registry_dir).set_limit(POOL, 0)
+    _nothing_left_behind(engine, registry_dir)

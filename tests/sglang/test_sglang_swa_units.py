@@ -379,6 +379,7 @@ def test_a_drain_of_the_sliding_window_side_reaches_the_requests_through_the_slo
         running_batch=SimpleNamespace(reqs=reqs),
         req_to_token_pool=table,
         waiting_queue=[],
+        tree_cache=None,
     )
     follow_scheduler_after(None, scheduler)
     full_ledger, swa_ledger = _ledgers(pool)

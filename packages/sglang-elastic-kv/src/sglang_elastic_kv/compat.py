@@ -296,6 +296,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "req_to_token_pool",
         "token_to_kv_pool_allocator",
         "waiting_queue",
+        "tree_cache",
     ),
     f"{_POOLS}.ReqToTokenPool": ("req_to_token",),
     f"{_POOLS}.MHATokenToKVPool": (

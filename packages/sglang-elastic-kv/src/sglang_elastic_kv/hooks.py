@@ -43,8 +43,8 @@
    while requests hold slots on draining pages (:mod:`sglang_elastic_kv.drain`).
 9. ``Scheduler._poll_timeout_aborts`` (AFTER): waiting requests that need more than a pool's limit or
    budget lets a request hold are aborted with a message, as SGLang aborts requests that waited too long;
-   ``Scheduler.on_idle`` (AFTER): while requests wait for memory and nothing runs, the scheduler sleeps as
-   when idle (:mod:`sglang_elastic_kv.fit`).
+   ``Scheduler.on_idle`` (AFTER): with nothing in flight, a pool over its limit evicts its cached prefixes,
+   and while requests wait for memory the scheduler sleeps as when idle (:mod:`sglang_elastic_kv.fit`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,21 @@ def install(registry: Any, hook_type: Any, seams: Seams, config: PluginConfig) -
     registry.register(seams.release_kv_cache, release, hook_type.AFTER)
     registry.register(seams.retract_decode, retract_decode_after, hook_type.AFTER)
     registry.register(seams.poll_aborts, fit.poll_aborts_after, hook_type.AFTER)
-    registry.register(seams.on_idle, fit.on_idle_after, hook_type.AFTER)
+    registry.register(seams.on_idle, on_idle_after, hook_type.AFTER)
+
+
+def on_idle_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``Scheduler.on_idle``: with nothing in flight, a pool over its limit evicts its cached prefixes
+    (SGLang evicts only when it allocates, so an idle engine would keep the pages they hold and never get
+    under a lowered limit); then :func:`sglang_elastic_kv.fit.on_idle_after` (requests waiting for memory)."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    if (
+        is_elastic_allocator(allocator)
+        and allocator.elastic_over_limit()
+        and scheduler.is_fully_idle(ignore_waiting=True)
+    ):
+        allocator.evict_to_free_tokens(scheduler.tree_cache, 0)
+    fit.on_idle_after(result, scheduler, *args, **kwargs)
 
 
 def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str | None = None) -> type | None:
