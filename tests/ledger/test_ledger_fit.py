@@ -3,12 +3,15 @@ or a budget, the bytes a request needs, and how the ledger follows ``kvctl`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from elastic_kv import registry
 from elastic_kv.config import ElasticConfig
+from elastic_kv.ledger import Ledger
 from elastic_kv.ledger.fit import blocks_within, bytes_for_blocks, page_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,14 +58,23 @@ def test_shared_slots_never_count_less_room_than_there_is() -> None:
         assert blocks_within(geo, real, null_block=False) >= pages * geo.blocks_per_page
 
 
-def test_the_ledger_follows_its_limit_and_its_devices_budget(tmp_path: Path) -> None:
-    view = registry.Registry(tmp_path)
+@contextlib.contextmanager
+def _ledger(tmp_path: Path, name: str, config: ElasticConfig = CFG) -> Iterator[Ledger]:
+    """A ledger over the small geometry whose pool has a record named ``name`` on device ``gpu0``."""
     record = registry.PoolRecord.create(
-        "fit", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
+        name, device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
     )
-    pool = make_pool(config=CFG, record=record, name=record.name)
-    led, page = pool.ledger, small_geometry().page_bytes
+    pool = make_pool(config=config, record=record, name=record.name)
     try:
+        yield pool.ledger
+    finally:
+        pool.close()
+        record.close()
+
+
+def test_the_ledger_follows_its_limit_and_its_devices_budget(tmp_path: Path) -> None:
+    view, page = registry.Registry(tmp_path), small_geometry().page_bytes
+    with _ledger(tmp_path, "fit") as led:
         assert led.max_request_blocks == 63  # every block but the null block
         view.set_limit("fit", 5 * page)
         led.maintain()
@@ -76,19 +88,11 @@ def test_the_ledger_follows_its_limit_and_its_devices_budget(tmp_path: Path) -> 
         assert led.max_request_blocks == 63
         led.resize(2 * page)  # a limit given to the ledger directly
         assert led.max_request_blocks == 2 * 4 - 1
-    finally:
-        pool.close()
-        record.close()
 
 
 def test_what_the_engine_reports_is_published(tmp_path: Path) -> None:
-    view = registry.Registry(tmp_path)
-    record = registry.PoolRecord.create(
-        "said", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
-    )
-    pool = make_pool(config=CFG, record=record, name=record.name)
-    led, page = pool.ledger, small_geometry().page_bytes
-    try:
+    view, page = registry.Registry(tmp_path), small_geometry().page_bytes
+    with _ledger(tmp_path, "said") as led:
         led.note_largest_request(9)  # 9 blocks beside the null block: 3 pages of 4
         led.note_failed(2)
         led.publish()
@@ -99,35 +103,23 @@ def test_what_the_engine_reports_is_published(tmp_path: Path) -> None:
         led.publish()
         snap = view.pool("said").snapshot
         assert snap is not None and snap.largest_request_bytes == 0 and snap.failed_requests == 2
-    finally:
-        pool.close()
-        record.close()
 
 
 def test_an_admission_check_sees_a_neighbour_charge_at_once(tmp_path: Path) -> None:
     """``available_size`` is a hint read from the headroom ``maintain`` last cached (its TTL is long against
     another pool's charge); ``refresh_room`` re-reads it, so an engine that admits right after sees the
     budget a neighbour took, whatever the age of the last reading."""
-    view = registry.Registry(tmp_path)
-    record = registry.PoolRecord.create(
-        "admit", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
-    )
+    view, page = registry.Registry(tmp_path), small_geometry().page_bytes
     slow = dataclasses.replace(CFG, free_memory_ttl_s=3600.0)
-    pool = make_pool(config=slow, record=record, name=record.name)
     neighbour = registry.PoolRecord.create(
         "neighbour", device="gpu0", engine="test", model="tiny", limit_bytes=0, registry_dir=tmp_path
     )
-    led, page = pool.ledger, small_geometry().page_bytes
-    try:
+    with _ledger(tmp_path, "admit", slow) as led, contextlib.closing(neighbour):
         view.set_budget("gpu0", 8 * page)
         led.maintain()  # the budget is seen (a limit change forces a reading)
         assert led.available_size() >= 4 * 4
-        assert neighbour.try_charge(8 * page - record.charged_bytes)
+        assert neighbour.try_charge(8 * page - view.pool("admit").charged_bytes)
         assert led.available_size() >= 4 * 4  # the cached reading: the neighbour's charge is not seen
         led.refresh_room()
         assert led.available_size() == 3  # the null block's page, backed already: nothing more to charge
         assert led.alloc(4) is None
-    finally:
-        neighbour.close()
-        pool.close()
-        record.close()

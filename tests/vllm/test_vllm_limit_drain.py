@@ -11,9 +11,6 @@ request still ends with the greedy tokens of a native run.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +24,7 @@ from vllm_engines import (
     charged_bytes,
     elastic_llm,
     generate,
+    kvctl,
     long_prompts,
     long_reference_tokens,
     pool_snapshot,
@@ -51,17 +49,6 @@ def llm(registry_dir: Path) -> Iterator[Any]:
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with elastic_llm(env, POOL, enable_prefix_caching=True) as engine:
         yield engine
-
-
-def _kvctl(registry_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _published(registry_dir: Path) -> tuple[str, int]:
@@ -91,20 +78,20 @@ def test_lowered_limit_is_met_within_two_steps_and_tokens_equal_native(llm: Any,
     reference = long_reference_tokens()
     page = pool_snapshot(registry_dir, POOL).page_bytes
     limit = LIMIT_PAGES * page
-    kvctl: dict[str, Any] = {}
+    observed: dict[str, Any] = {}
 
     def lower_then_lift() -> None:
         # Runs beside the engine (which steps on the test's thread): only the registry and kvctl.
         if not wait_for(lambda: charged_bytes(registry_dir, POOL) >= GROWN_PAGES * page, timeout=300):
-            kvctl["error"] = "the pool never grew"
+            observed["error"] = "the pool never grew"
             return
-        kvctl["before"] = charged_bytes(registry_dir, POOL)
-        kvctl["lowered"] = _kvctl(registry_dir, "limit", POOL, str(limit), "--wait", "60")
-        kvctl["applied_at"] = time.monotonic()
+        observed["before"] = charged_bytes(registry_dir, POOL)
+        observed["lowered"] = kvctl(registry_dir, "limit", POOL, str(limit), "--wait", "60")
+        observed["applied_at"] = time.monotonic()
         time.sleep(1.0)  # the requests keep running under the limit for a while
-        kvctl["held"] = charged_bytes(registry_dir, POOL)
-        kvctl["lifted"] = _kvctl(registry_dir, "limit", POOL, "unlimited")
-        kvctl["active"] = wait_for(lambda: _published(registry_dir) == ("active", 0), timeout=5)
+        observed["held"] = charged_bytes(registry_dir, POOL)
+        observed["lifted"] = kvctl(registry_dir, "limit", POOL, "unlimited")
+        observed["active"] = wait_for(lambda: _published(registry_dir) == ("active", 0), timeout=5)
 
     steps = Steps(llm)
     limiter = threading.Thread(target=lower_then_lift, daemon=True)
@@ -114,16 +101,16 @@ def test_lowered_limit_is_met_within_two_steps_and_tokens_equal_native(llm: Any,
     finally:
         steps.close()
         limiter.join(timeout=180)
-    assert "error" not in kvctl, kvctl["error"]
-    assert "lifted" in kvctl, f"the limit was never lifted (generation ended first): {kvctl}"
+    assert "error" not in observed, observed["error"]
+    assert "lifted" in observed, f"the limit was never lifted (generation ended first): {observed}"
 
-    lowered = kvctl["lowered"]
+    lowered = observed["lowered"]
     assert lowered.returncode == 0, lowered.stdout + lowered.stderr
     assert "applied after" in lowered.stdout, lowered.stdout
     preempted = int(lowered.stdout.split("request(s) preempted")[0].rsplit(";", 1)[1])
     assert preempted >= 1, lowered.stdout
-    assert kvctl["held"] <= limit, "the pool grew over its limit again while the requests ran on"
-    assert kvctl["active"], "lifting the limit was not published while the requests ran"
+    assert observed["held"] <= limit, "the pool grew over its limit again while the requests ran on"
+    assert observed["active"], "lifting the limit was not published while the requests ran"
 
     rows = steps.rows
     seen = next(i for i, row in enumerate(rows) if row[2] == limit)

@@ -8,11 +8,8 @@ One ``vllm serve --kv-cache-backend=elastic`` on the tiny model, 128 KiB pages o
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
+from vllm_engines import kvctl, openai_server, tiny_model, wait_for
 
 from tests.support import engine_logs
 
@@ -30,12 +27,6 @@ pytestmark = pytest.mark.vllm
 POOL = "test-fit"
 LIMIT_PAGES = 3  # the null block's page and two blocks: 256 tokens
 ENDED = "ended: needs more KV cache than pool test-fit may hold"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -58,49 +49,13 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     registry = tmp_path_factory.mktemp("registry")
-    port = _free_port()
     log = tmp_path_factory.mktemp("fit") / "server.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model()),
-        "--kv-cache-backend", "elastic", "--additional-config.elastic_kv.pool_name", POOL,
-        "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(CAPACITY), "--port", str(port),
-    ]  # fmt: skip
-    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry), "HF_HUB_OFFLINE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            return requests.get(f"{url}/health", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
-
-    engine_logs.watch(log, "vllm-fit/server.log")
-    try:
-        assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
+    with openai_server(registry, POOL, log, "vllm-fit/server.log") as (proc, url):
         yield Server(proc, url, log, registry)
-    finally:
-        engine_logs.unwatch(log)
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _kvctl(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(srv.registry)}
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return kvctl(srv.registry, *args)
 
 
 def _pool(srv: Server) -> dict[str, Any]:

