@@ -125,8 +125,9 @@ def poll_aborts_after(result: list[Any] | None, scheduler: Any, *args: Any, **kw
 
 
 def on_idle_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``Scheduler.on_idle``: while requests wait and nothing runs (they wait for memory), sleep as
-    SGLang does when fully idle, instead of polling again at once."""
+    """After ``Scheduler.on_idle`` (from :func:`sglang_elastic_kv.hooks.on_idle_after`): while requests wait
+    and nothing runs (they wait for memory), sleep as SGLang does when fully idle instead of polling again at
+    once, then run the idle housekeeping SGLang skips while requests wait."""
     if not scheduler.waiting_queue or not _parts(scheduler):
         return
     if scheduler.is_fully_idle():
