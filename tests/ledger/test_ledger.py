@@ -421,10 +421,11 @@ def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
         assert led.expect(3 + 12) == 0  # ... and not again
         settle(pool)  # the engine's next step: maintain() keeps them for the demand it was told of
         assert led.snapshot().reserve_pages == 3
-        maps = pool.backend.calls("map")
         got = led.alloc(15)
-        assert got is not None and pool.backend.calls("map") == maps  # no driver call on the alloc
+        assert got is not None
         snap = led.snapshot()
+        # Every page came from the reserve, none mapped or waited for on the alloc (a miss would be one).
+        # The driver's call count cannot show it: the refill the alloc queues maps on the background thread.
         assert (snap.reserve_hits, snap.reserve_misses) == (3, 0)
         check_invariants(pool, set(got))
         led.free(got)
