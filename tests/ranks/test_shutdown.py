@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,23 +114,34 @@ def test_transport_close_wakes_a_pending_broadcast(cluster: Cluster, pool: int) 
     time.sleep(1.0)  # let rank 1 finish the stalled MAP before the next test
 
 
-def test_listener_names_and_directory(tmp_path: Path) -> None:
-    d = socket_dir(tmp_path)
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path: a Unix socket's path must fit 107 bytes, which pytest's own temporary
+    directories (``/tmp/pytest-of-USER/pytest-N/popen-gwK/TEST0/...``) exceed once N has three digits."""
+    path = Path(tempfile.mkdtemp(prefix="ekv-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_listener_names_and_directory(short_dir: Path) -> None:
+    d = socket_dir(short_dir)
     assert d.stat().st_mode & 0o777 == 0o700 and d.name == f"elastic-kv-{os.getuid()}"
     a, b = new_instance_name(), new_instance_name()
     assert a != b and socket_path(a, 0, d) != socket_path(b, 0, d) != socket_path(a, 1, d)
     os.chmod(d, 0o755)
     with pytest.raises(ConfigError, match="must be 0700"):
-        socket_dir(tmp_path)
+        socket_dir(short_dir)
     os.chmod(d, 0o700)
     with pytest.raises(ConfigError, match="exceeds"):
-        socket_path("x" * 64, 0, tmp_path / ("d" * 80))
+        socket_path("x" * 64, 0, short_dir / ("d" * 80))
     with pytest.raises(ValueError, match="instance name"):
         socket_path("../evil", 0, d)
 
 
-def test_live_listener_is_not_replaced_but_a_stale_file_is(tmp_path: Path) -> None:
-    d = socket_dir(tmp_path)
+def test_live_listener_is_not_replaced_but_a_stale_file_is(short_dir: Path) -> None:
+    d = socket_dir(short_dir)
     path = socket_path(new_instance_name(), 0, d)
     node = RankNode(0)
     node.add_pool(1, 4)
