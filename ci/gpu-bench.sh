@@ -8,7 +8,8 @@
 #   bash ci/gpu-bench.sh poll [--wait SECONDS]    # later calls, each begun within 30 s of the last one
 #
 # Steps, run in the order given (default: tests n8 n12 n3):
-#   tests  bash ci/gpu.sh --only vllm-sleep,serve-gpu: the sleep-mode backend, a suspension through serve
+#   tests  bash ci/gpu.sh --only vllm-limit,vllm-sleep,serve-gpu: a limit drain under async scheduling, the
+#          sleep-mode backend, a suspension through serve
 #   n8     eight 8B models, elastic-kv serve (sleep set-up), 16 bursts x 24 reaching every model, load 4
 #   n12    twelve 8B models, the same at 24 bursts x 16
 #   n3     three 8B models, static then elastic, loads 8 and 16 (where static's attainment falls)
@@ -28,7 +29,7 @@ usage() { echo "usage: bash ci/gpu-bench.sh start [tests|n8|n12|n3 ...] | poll [
 step_command() {  # step_command STEP -> the step's command line
     local bench="python3 benchmarks/multi_model.py --device cuda --setups sleep --loads 4 --cover"
     case "$1" in
-        tests) echo "bash ci/gpu.sh --only vllm-sleep,serve-gpu" ;;
+        tests) echo "bash ci/gpu.sh --only vllm-limit,vllm-sleep,serve-gpu" ;;
         n8) echo "$bench --out $work/n8 --models 8 --bursts 16 --burst-size 24" ;;
         n12) echo "$bench --out $work/n12 --models 12 --bursts 24 --burst-size 16" ;;
         n3) echo "python3 benchmarks/multi_model.py --device cuda --out $work/n3 --models 3 --setups static,elastic \

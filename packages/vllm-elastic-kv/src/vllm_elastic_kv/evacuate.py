@@ -12,7 +12,8 @@ next ``schedule()``:
   (``Scheduler._preempt_request``: its blocks are freed, it returns to the front of the waiting queue and
   is recomputed later, so its greedy tokens are those it would have produced anyway). As in vLLM's
   ``reset_prefix_cache(reset_running_requests=True)``, which also preempts outside a step, the request's
-  in-flight output is dropped and its tokens are sent again if it resumes in this same step;
+  in-flight output is dropped (:func:`_preempt`) and its tokens are sent again if it resumes in this same
+  step -- which vLLM's own preemption never does;
 * cached prefix blocks on draining pages that no request holds are evicted
   (:meth:`~vllm_elastic_kv.block_pool.ElasticBlockPool.evict_draining`).
 
@@ -42,12 +43,8 @@ __all__ = ["drain_order", "vacate_draining_pages"]
 
 logger = logging.getLogger(__name__)
 
-# Releases without it deliver a preempted request's in-flight output; those with it are told to drop it.
-_DROP_STALE = (
-    {"drop_stale_output": True}
-    if "drop_stale_output" in inspect.signature(Scheduler._preempt_request).parameters
-    else {}
-)
+# Releases with it (0.31+) drop a preempted request's in-flight output when told to.
+_DROP_STALE = "drop_stale_output" in inspect.signature(Scheduler._preempt_request).parameters
 
 
 def _block_ids(scheduler: Any, request: Any) -> list[int]:
@@ -72,6 +69,29 @@ def drain_order(scheduler: Any, candidates: list[int]) -> list[int]:
     return order_by_holders(candidates, holdings)
 
 
+def _preempt(scheduler: Any, request: Any, timestamp: float) -> None:
+    """Preempt ``request`` (out of ``scheduler.running``) between steps, its in-flight output dropped.
+
+    With asynchronous scheduling the request's last step may still be running; this ``schedule()`` call
+    may resume it, recomputing the tokens that step produces, so that step's output must not be
+    delivered too. Releases from 0.31 drop it when asked (``drop_stale_output``); 0.26 counts the frames
+    to discard in ``async_tokens_to_discard``, as its own ``reset_prefix_cache(reset_running_requests=True)``
+    does -- delivering them there gave the request more tokens than it had placeholders for, and the
+    engine core died (``assert request.num_output_placeholders >= 0``)."""
+    if _DROP_STALE:
+        scheduler._preempt_request(request, timestamp, drop_stale_output=True)
+    else:
+        scheduler._preempt_request(request, timestamp)
+        if hasattr(request, "async_tokens_to_discard"):
+            request.async_tokens_to_discard = request.num_output_placeholders
+            request.num_output_placeholders = 0
+    # If it resumes in this step, Model Runner V1 needs its tokens again (it dropped its state); releases
+    # with V2 only keep no such record (compat.PROBED).
+    scheduled = getattr(scheduler, "prev_step_scheduled_req_ids", None)
+    if scheduled is not None:
+        scheduled.discard(request.request_id)
+
+
 def vacate_draining_pages(scheduler: Any) -> int:
     """Preempt the running requests that hold blocks on draining pages and evict cached blocks there;
     release the emptied pages if no step is in flight. Returns the number of requests preempted.
@@ -85,12 +105,7 @@ def vacate_draining_pages(scheduler: Any) -> int:
         # Preempted last to first: each goes to the front of the waiting queue, so they resume in order.
         for request in reversed(holders):
             scheduler.running.remove(request)
-            scheduler._preempt_request(request, timestamp, **_DROP_STALE)
-            # If it resumes in this step, Model Runner V1 needs its tokens again (it dropped its state);
-            # releases with V2 only keep no such record (compat.PROBED).
-            scheduled = getattr(scheduler, "prev_step_scheduled_req_ids", None)
-            if scheduled is not None:
-                scheduled.discard(request.request_id)
+            _preempt(scheduler, request, timestamp)
         logger.info(
             "pool %s over its limit: preempted %d request(s) holding blocks on %d draining page(s)",
             elastic.record.name,

@@ -166,6 +166,9 @@ PROBED: Mapping[str, str] = {
     f"{_CONFIG}.CacheConfig.kv_offloading_size": "no KV offloading to refuse",
     f"{_CONFIG}.ModelConfig.is_encoder_decoder": "no encoder-decoder model to refuse",
     f"{_CONFIG}.CacheConfig.enable_extensible_kv_cache": "no extensible KV cache (before 0.34) to turn off",
+    "vllm.v1.request.Request.async_tokens_to_discard": (
+        "0.31+: the limit's drain drops a preempted request's in-flight output with drop_stale_output"
+    ),
     "vllm.v1.core.sched.scheduler.Scheduler.prev_step_scheduled_req_ids": (
         "Model Runner V2 only (0.34): a preempted request's tokens need no resending"
     ),
