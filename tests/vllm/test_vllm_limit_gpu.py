@@ -8,24 +8,35 @@ step that preempted it). The in-flight output of such a request is stale: delive
 resumed step's token gave vLLM 0.26's ``AsyncScheduler`` one token more than it had placeholders for
 (``assert request.num_output_placeholders >= 0``, the engine core died).
 
-One real engine (a small Llama with random weights, bfloat16, eager, engine core in this process), driven
-step by step so that the limit changes at known steps: while 24 requests decode, the pool's limit is
-lowered two pages below what its requests hold, held until the pool is under it, and lifted, over and
-over. Every request must end with as many tokens as asked, and its tokens must be those of an undisturbed
-run of the same engine up to the first position where the two runs' greedy choices were a near tie
-(preemption recomputes a request in a different batch, and GPU kernels are not batch-invariant).
+One real engine (a small Llama with random weights, bfloat16, eager), driven step by step so that the
+limit changes at known steps: while 24 requests decode, the pool's limit is lowered two pages below what
+its requests hold, held until the pool is under it, and lifted, over and over. Every request must end with
+as many tokens as asked, and its tokens must be those of an undisturbed run of the same engine up to the
+first position where the two runs' greedy choices were a near tie (preemption recomputes a request in a
+different batch, and GPU kernels are not batch-invariant).
+
+The engine runs in a fresh interpreter (this module run as a script, engine core in its process so the
+script can step it and watch its scheduler), as ``ci/gpu_vllm.py`` does: started in pytest's process, where
+the ``gpu`` marker's probe has opened the device through the data plane, vLLM 0.26's sampler failed at
+start-up ("Pointer argument ... cannot be accessed from Triton").
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
-from collections.abc import Iterator
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.models import TinyModelSpec, tiny_model
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # run as a script, too
+
+from tests.support.models import TinyModelSpec, tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -44,39 +55,6 @@ def _prompts() -> list[dict[str, list[int]]]:
     rng = random.Random(3)
     lengths = [rng.randrange(24, 320) for _ in range(24)]
     return [{"prompt_token_ids": [rng.randrange(16, 1000) for _ in range(n)]} for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("vllm")
-    from vllm import LLM
-
-    registry = tmp_path_factory.mktemp("registry")
-    registry.chmod(0o700)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
-    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core steps on this thread
-    try:
-        engine = LLM(
-            model=str(tiny_model(SPEC)),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=1024,
-            enforce_eager=True,
-            async_scheduling=True,
-            enable_prefix_caching=False,  # every page a drain picks is held by running requests
-            kv_cache_memory_bytes=256 * MiB,
-            gpu_memory_utilization=0.2,
-            seed=0,
-            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
-        )
-        yield {"llm": engine, "registry": registry}
-        engine.llm_engine.engine_core.shutdown()
-    finally:
-        mp.undo()
 
 
 class SameStepResumes:
@@ -155,14 +133,32 @@ class LimitCycles:
             self.registry.set_limit(POOL, self.limit)
 
 
-def test_lowered_limits_with_a_step_in_flight_keep_every_token(engine: dict[str, Any]) -> None:
+def _engine(model: str) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=1024,
+        enforce_eager=True,
+        async_scheduling=True,
+        enable_prefix_caching=False,  # every page a drain picks is held by running requests
+        kv_cache_memory_bytes=256 * MiB,
+        gpu_memory_utilization=0.2,
+        seed=0,
+        additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
+    )
+
+
+def main(model: str, registry_dir: Path, result: Path) -> None:
+    """The child: an undisturbed run, then a run under limit cycles; what happened, as JSON in ``result``."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    llm = engine["llm"]
+    llm = _engine(model)
     scheduler: Any = llm.llm_engine.engine_core.engine_core.scheduler
-    assert isinstance(scheduler, AsyncScheduler), "asynchronous scheduling is off"
     reference = _run(llm, logprobs=TOP_K)
-    cycles = LimitCycles(llm, engine["registry"])
+    cycles = LimitCycles(llm, registry_dir)
     resumes = SameStepResumes(scheduler)
     preempted = scheduler.elastic_pool.ledger.preemptions
     try:
@@ -170,25 +166,64 @@ def test_lowered_limits_with_a_step_in_flight_keep_every_token(engine: dict[str,
     finally:
         resumes.close()
         cycles.registry.set_limit(POOL, 0)
-    preempted = scheduler.elastic_pool.ledger.preemptions - preempted
-    print(
-        f"{cycles.cycles} limit cycles (steps to meet each: {cycles.steps_to_meet}), "
-        f"{preempted} preemptions, {resumes.count} resumed by the schedule() that preempted them"
+    summary = {
+        "async_scheduling": isinstance(scheduler, AsyncScheduler),
+        "cycles": cycles.cycles,
+        "steps_to_meet": cycles.steps_to_meet,
+        "preempted": scheduler.elastic_pool.ledger.preemptions - preempted,
+        "same_step_resumes": resumes.count,
+        "reference": {rid: list(out.token_ids) for rid, out in reference.items()},
+        "top": {rid: [sorted(step) for step in out.logprobs] for rid, out in reference.items()},
+        "disturbed": {rid: list(out.token_ids) for rid, out in disturbed.items()},
+    }
+    result.write_text(json.dumps(summary))
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_lowered_limits_with_a_step_in_flight_keep_every_token(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("vllm")
+    registry = tmp_path / "registry"
+    registry.mkdir(mode=0o700)
+    result = tmp_path / "result.json"
+    env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(
+        [sys.executable, __file__, str(tiny_model(SPEC)), str(registry), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
-    assert cycles.cycles >= 3 and preempted >= 1, "the limit never made the engine preempt"
-    assert resumes.count >= 1, "no request was resumed in the step that preempted it: the case is not covered"
+    assert done.returncode == 0 and result.exists(), done.stdout[-2000:] + done.stderr[-6000:]
+    run = json.loads(result.read_text())
+    print(
+        f"{run['cycles']} limit cycles (steps to meet each: {run['steps_to_meet']}), "
+        f"{run['preempted']} preemptions, {run['same_step_resumes']} resumed by the schedule() that "
+        "preempted them"
+    )
+    assert run["async_scheduling"], "asynchronous scheduling is off"
+    assert run["cycles"] >= 3 and run["preempted"] >= 1, "the limit never made the engine preempt"
+    assert run["same_step_resumes"] >= 1, "no request resumed in the step that preempted it: case not covered"
+    reference, disturbed = run["reference"], run["disturbed"]
     assert sorted(disturbed) == sorted(reference)
     exact = 0
-    for request_id, out in disturbed.items():
+    for request_id, tokens in disturbed.items():
         ref = reference[request_id]
-        assert len(out.token_ids) == MAX_TOKENS, f"request {request_id}: {len(out.token_ids)} tokens"
-        pairs = enumerate(zip(out.token_ids, ref.token_ids, strict=True))
+        assert len(tokens) == MAX_TOKENS, f"request {request_id}: {len(tokens)} tokens"
+        pairs = enumerate(zip(tokens, ref, strict=True))
         diverged = next((i for i, (a, b) in pairs if a != b), None)
         if diverged is None:
             exact += 1
             continue
-        assert out.token_ids[diverged] in ref.logprobs[diverged], (
-            f"request {request_id}, token {diverged}: {out.token_ids[diverged]} is not among the undisturbed "
-            f"run's top {TOP_K} {dict(ref.logprobs[diverged])}"
+        top = run["top"][request_id][diverged]
+        assert tokens[diverged] in top, (
+            f"request {request_id}, token {diverged}: {tokens[diverged]} is not among the undisturbed "
+            f"run's top {TOP_K} {top}"
         )
     print(f"{exact} of {len(disturbed)} requests token for token equal to the undisturbed run")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
