@@ -16,9 +16,10 @@ first position where the two runs' greedy choices were a near tie (preemption re
 different batch, and GPU kernels are not batch-invariant).
 
 The engine runs in a fresh interpreter (this module run as a script, engine core in its process so the
-script can step it and watch its scheduler), as ``ci/gpu_vllm.py`` does: started in pytest's process, where
-the ``gpu`` marker's probe has opened the device through the data plane, vLLM 0.26's sampler failed at
-start-up ("Pointer argument ... cannot be accessed from Triton").
+script can step it and watch its scheduler), with torch's CUDA context made before vLLM starts, as
+``ci/gpu_vllm.py`` does: without that, an in-process engine of vLLM 0.26 failed in its first sampler kernel
+("Pointer argument ... cannot be accessed from Triton", the seeds' pinned host buffer), whether in pytest's
+process or a fresh one.
 """
 
 from __future__ import annotations
@@ -153,8 +154,10 @@ def _engine(model: str) -> Any:
 
 def main(model: str, registry_dir: Path, result: Path) -> None:
     """The child: an undisturbed run, then a run under limit cycles; what happened, as JSON in ``result``."""
+    import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
+    torch.cuda.mem_get_info()  # torch's CUDA context first, as ci/gpu_vllm.py (see the module's docstring)
     llm = _engine(model)
     scheduler: Any = llm.llm_engine.engine_core.engine_core.scheduler
     reference = _run(llm, logprobs=TOP_K)
