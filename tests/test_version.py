@@ -1,4 +1,4 @@
-"""One version for the three packages: the repository's VERSION file, read by every package build."""
+"""One version for every package of ``packages/``: the repository's VERSION file, read by each build."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ PACKAGES = {
     "elastic-kv-core": "elastic_kv",
     "vllm-elastic-kv": "vllm_elastic_kv",
     "sglang-elastic-kv": "sglang_elastic_kv",
+    "elastic-kv-serve": "elastic_kv_serve",
 }
 
 
 def _version() -> str:
     return (REPO / "VERSION").read_text().strip()
+
+
+def test_every_package_is_listed() -> None:
+    assert sorted(p.name for p in (REPO / "packages").iterdir() if (p / "pyproject.toml").exists()) == sorted(
+        PACKAGES
+    )
 
 
 def test_version_file_is_a_release_number() -> None:
