@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_engines import gpu_elastic_llm
 
 from tests.support.models import TinyModelSpec, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-MiB = 1 << 20
 POOL = "limit-gpu"
 SPEC = TinyModelSpec(
     name="limit-llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4
@@ -51,36 +51,11 @@ def _prompts() -> list[dict[str, list[int]]]:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("vllm")
-    from vllm import LLM
-
     registry = tmp_path_factory.mktemp("registry")
     registry.chmod(0o700)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
-    # This process has initialised the CUDA driver (the gpu marker's probe): the engine core must spawn.
-    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    try:
-        llm = LLM(
-            model=str(tiny_model(SPEC)),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=1024,
-            enforce_eager=True,
-            async_scheduling=True,
-            enable_prefix_caching=False,  # every page a drain picks is held by running requests
-            kv_cache_memory_bytes=256 * MiB,
-            gpu_memory_utilization=0.2,
-            seed=0,
-            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
-        )
+    overrides = {"async_scheduling": True, "enable_prefix_caching": False}  # every page drained is in use
+    with gpu_elastic_llm(registry, tiny_model(SPEC), POOL, **overrides) as llm:
         yield {"llm": llm, "registry": registry}
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        mp.undo()
 
 
 def _generate(llm: Any, logprobs: int | None) -> list[Any]:

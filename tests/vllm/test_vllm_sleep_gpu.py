@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_engines import gpu_elastic_llm
 
 from tests.support.models import TinyModelSpec, tiny_model
 
@@ -35,37 +36,16 @@ PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j) % 1000 + 16 for j in range(48 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("vllm")
     from elastic_kv.host import HostArena
-    from vllm import LLM
 
     registry = tmp_path_factory.mktemp("registry")
     registry.chmod(0o700)
     arena = HostArena.create(Path("/dev/shm") / f"sleep-gpu-{os.getpid()}.arena", 256 * MiB)
     mp = pytest.MonkeyPatch()
     mp.setenv("ELASTIC_KV_HOST_ARENA", str(arena.path))
-    mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
-    # This process has initialised the CUDA driver (the gpu marker's probe opens device 0 through our
-    # backend, which torch does not see): a forked engine core could not use it, so vLLM must spawn.
-    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
-        llm = LLM(
-            model=str(tiny_model(SPEC)),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=1024,
-            enforce_eager=True,
-            kv_cache_memory_bytes=256 * MiB,
-            gpu_memory_utilization=0.2,
-            enable_sleep_mode=True,
-            seed=0,
-            additional_config={"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": POOL}},
-        )
-        yield {"llm": llm, "arena": arena, "tokens": _generate(llm)}
-        llm.llm_engine.engine_core.shutdown()
+        with gpu_elastic_llm(registry, tiny_model(SPEC), POOL, enable_sleep_mode=True) as llm:
+            yield {"llm": llm, "arena": arena, "tokens": _generate(llm)}
     finally:
         mp.undo()
         arena.close()

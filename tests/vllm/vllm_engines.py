@@ -85,6 +85,44 @@ def elastic_llm(env: dict[str, str], pool: str, **overrides: Any) -> Iterator[An
         mp.undo()
 
 
+@contextmanager
+def gpu_elastic_llm(registry: Path, model: Path, pool: str, **overrides: Any) -> Iterator[Any]:
+    """An in-process ``LLM`` on the GPU with the elastic backend, pool ``pool``, registry ``registry``: the
+    small model ``model`` in bfloat16, eager, 256 MiB of KV; its engine core spawned (the ``gpu`` marker's
+    probe has initialised the CUDA driver in this process, which a forked child could not use). Skips
+    the test without a CUDA device or vLLM."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ELASTIC_KV_REGISTRY_DIR", str(registry))
+    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:
+        engine = LLM(
+            **{
+                "model": str(model),
+                "skip_tokenizer_init": True,
+                "dtype": "bfloat16",
+                "max_model_len": 1024,
+                "enforce_eager": True,
+                "kv_cache_memory_bytes": 256 << 20,
+                "gpu_memory_utilization": 0.2,
+                "seed": 0,
+                "additional_config": {"kv_cache_backend": "elastic", "elastic_kv": {"pool_name": pool}},
+                **overrides,
+            }
+        )
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
+    finally:
+        mp.undo()
+
+
 def prompts(shared_prefix: int = 300) -> list[list[int]]:
     """Varied token prompts: block-boundary lengths (vLLM's CPU block is 128 tokens), and four prompts
     sharing a ``shared_prefix``-token prefix (prefix-cache hits)."""
