@@ -197,3 +197,24 @@ def test_only_serving_suspendable_models_awake_long_enough_are_suspended() -> No
     chosen = choose_suspensions(models, need_bytes=40 * MiB, awake_before=4.5, **room)
     assert [v.name for v in chosen or []] == ["eligible"]
     assert choose_suspensions(models, need_bytes=40 * MiB, awake_before=3.0, **room) is None
+
+
+def test_model_states_move_only_as_the_transition_table_allows() -> None:
+    from elastic_kv_serve.config import ModelConfig
+    from elastic_kv_serve.runtime import TRANSITIONS, InvalidTransition, ModelRuntime, State
+
+    assert set(TRANSITIONS) == set(State)
+    rt = ModelRuntime(ModelConfig(name="m", engine="vllm", model="/m"), idle_sleep_s=60.0, weights_bytes=1)
+    for state in (State.STARTING, State.AWAKE, State.SLEEPING, State.ASLEEP, State.WAKING, State.AWAKE):
+        rt.set_state(state)
+        rt.set_state(state)  # staying is always allowed
+    with pytest.raises(InvalidTransition, match="model m: awake -> waking"):
+        rt.set_state(State.WAKING)
+    assert rt.state is State.AWAKE  # refused: nothing changed
+    rt.set_state(State.FAILED, "died")
+    rt.set_state(State.STARTING)
+    rt.set_state(State.STOPPED)
+    for state in State:
+        if state is not State.STOPPED:
+            with pytest.raises(InvalidTransition):
+                rt.set_state(state)

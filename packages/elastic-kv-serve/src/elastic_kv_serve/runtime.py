@@ -15,6 +15,9 @@ States::
     waking     waking up for a request (or making room first)
     failed     its engine died or could not start; restarted with back-off, requests wait for it
     stopped    the server is shutting down or gave up restarting it; requests get 503
+
+The moves between them are :data:`TRANSITIONS`; :meth:`ModelRuntime.set_state` refuses any other
+(:class:`InvalidTransition`: a bug in the supervisor, never a user's error).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.engines import EngineProcess
 from elastic_kv_serve.kinds import SleepMode
 
-__all__ = ["ModelRuntime", "State", "Transition", "quantile"]
+__all__ = ["TRANSITIONS", "InvalidTransition", "ModelRuntime", "State", "Transition", "quantile"]
 
 
 class State(str, Enum):
@@ -42,6 +45,24 @@ class State(str, Enum):
     WAKING = "waking"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+# State -> the states it may move to (besides staying). Any state may fail or stop; the rest is the life
+# cycle: started or woken (or left asleep when no room came in time), put to sleep (or kept awake when its
+# engine refused a suspension), restarted after a failure.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.ASLEEP: frozenset({State.STARTING, State.WAKING, State.FAILED, State.STOPPED}),
+    State.STARTING: frozenset({State.AWAKE, State.ASLEEP, State.FAILED, State.STOPPED}),
+    State.WAKING: frozenset({State.AWAKE, State.ASLEEP, State.FAILED, State.STOPPED}),
+    State.AWAKE: frozenset({State.SLEEPING, State.FAILED, State.STOPPED}),
+    State.SLEEPING: frozenset({State.ASLEEP, State.AWAKE, State.FAILED, State.STOPPED}),
+    State.FAILED: frozenset({State.STARTING, State.STOPPED}),
+    State.STOPPED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A move between two states that :data:`TRANSITIONS` does not allow."""
 
 
 # States in which a model holds no weights on the device and has no room reserved for them.
@@ -128,7 +149,10 @@ class ModelRuntime:
         return (self.weights_bytes if self.has_room else 0) + self.kv_bytes
 
     def set_state(self, state: State, error: str | None = None) -> None:
-        """Move to ``state`` and wake everyone waiting for a change."""
+        """Move to ``state`` (:data:`TRANSITIONS`, else :class:`InvalidTransition`) and wake everyone
+        waiting for a change."""
+        if state is not self.state and state not in TRANSITIONS[self.state]:
+            raise InvalidTransition(f"model {self.name}: {self.state.value} -> {state.value}")
         self.state = state
         self.error = error
         if state in WITHOUT_WEIGHTS:
