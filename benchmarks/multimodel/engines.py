@@ -16,7 +16,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+from elastic_kv_serve.engines import free_port
 
 __all__ = [
     "LLAMA_8B",
@@ -173,13 +173,6 @@ def random_llama(root: Path, shape: Mapping[str, int] = LLAMA_8B, shard_bytes: i
     flush()
     (path / ".weights").write_text("random bf16, seed 0\n")
     return path
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (the server binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_server_argv(model_dir: Path, name: str, port: int, args: Sequence[str]) -> list[str]:

@@ -5,7 +5,6 @@ requests run makes SGLang retract them, not crash."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import requests
+from elastic_kv_serve.engines import free_port
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
@@ -29,18 +29,11 @@ pytestmark = [
 POOL = "server-pool"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Server:
     """A launch_server process, its base URL, log and registry."""
 
     def __init__(self, model: Path, registry: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.registry = registry
         self.log_path = LOG_DIR / "server-elastic.log"

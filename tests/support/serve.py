@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from elastic_kv_serve.engines import free_port
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
@@ -42,12 +42,6 @@ def sglang_cpu_env() -> dict[str, str]:
     env = engine_environ({}, base={})
     keep = ("SGLANG_USE_CPU_ENGINE", "SGLANG_NATIVE_MOVE_KV_CACHE", "OMP_NUM_THREADS", "PYTHONPATH")
     return {**{k: env[k] for k in keep}, **POOL_ENV}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def toml_value(value: Any) -> str:

@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import psutil
 import pytest
 import requests
 from elastic_kv.registry import DeviceBudget, PoolRecord, Registry
+from elastic_kv_serve.engines import free_port
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
 from tests.support import engine_logs
@@ -35,19 +35,13 @@ pytestmark = pytest.mark.vllm
 POOL = "test-exits"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """One ``vllm serve`` process tree with its own registry and socket directories."""
 
     def __init__(self, root: Path) -> None:
         self.registry_dir = root / "registry"
         self.tmp = Path(tempfile.mkdtemp(prefix="ekv-"))  # short: a socket path has at most 107 bytes
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model()),
                "--kv-cache-backend", "elastic", "--additional-config.elastic_kv.pool_name", POOL,
                "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",

@@ -33,7 +33,7 @@ from elastic_kv.host import ENV_HOST_ARENA
 from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.kinds import SleepMode, kind_of
 
-__all__ = ["EngineDied", "EngineProcess", "EngineStartError", "cause_in_log", "engine_env"]
+__all__ = ["EngineDied", "EngineProcess", "EngineStartError", "cause_in_log", "engine_env", "free_port"]
 
 logger = logging.getLogger(__name__)
 
