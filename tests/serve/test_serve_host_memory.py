@@ -11,8 +11,9 @@ room made by putting the least recently used model to sleep at level 1; a second
 full goes to level 2; an asleep engine killed is cleaned up and cold-started; an awake one killed is
 restarted and the requests waiting for it are served; metrics; a shutdown that leaves nothing. Small
 servers of their own cover the wait queue (429, then 503 at the wait's timeout, each with ``Retry-After``),
-``preload``, KV pressure (a serving model's KV fills the budget: an idle model sleeps for it), and KV
-shares (a model waking while every neighbour serves gets a share of their KV).
+``preload``, the arena kept for the models used most recently (an older level-1 copy demoted to level 2),
+KV pressure (a serving model's KV fills the budget: an idle model sleeps for it), and KV shares (a model
+waking while every neighbour serves gets a share of their KV).
 """
 
 from __future__ import annotations
@@ -239,6 +240,41 @@ def test_preload_starts_every_model_and_leaves_the_ones_that_do_not_fit_asleep(t
         assert status["lo"]["sleep_level"] == 1 and _transitions(status, "lo", "start")
         assert _text(_ask(srv, "lo")) == _expected(tmp_path, "lo", "hello")  # hi makes room (equal priority)
         assert _transitions(srv.status(), "lo", "wake")[-1]["level"] == "1"  # a wake, not a cold start
+    finally:
+        srv.stop()
+
+
+def test_the_arena_holds_the_copies_of_the_models_used_most_recently(tmp_path: Path) -> None:
+    """Three models, two awake in a 20 MiB budget, one level-1 copy in a 10 MiB arena, engines that can
+    demote a level-1 sleep (``demote_path``). ``x``, ``y``, ``z`` are asked in turn: ``x`` (least recently
+    used) sleeps at level 1 for ``z``. Then ``y`` idles into sleep; it was used after ``x``, so ``x`` is
+    demoted to level 2 (its extent given back) and ``y`` sleeps at level 1. ``x``'s next wake reads its
+    weights from its checkpoint and answers from them."""
+    (tmp_path / "d").mkdir()
+    extra = {"demote_path": "/demote"}
+    srv = ServeProcess(
+        tmp_path / "d",
+        {"budget": "20M", "host_budget": "10M", "start_parallel": 2, "wake_timeout_s": 120},
+        [_toy("x", tmp_path, 1, delay=0.2, **extra),
+         _toy("y", tmp_path, 2, delay=0.2, idle_sleep_s=2, **extra),
+         _toy("z", tmp_path, 3, delay=0.2, **extra)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"x": "awake", "y": "awake", "z": "asleep"}, timeout_s=60)
+        for name in "xyz":
+            assert _text(_ask(srv, name)) == _expected(tmp_path, name, "hello")
+        status = srv.status()
+        assert (
+            _transitions(status, "x", "sleep")[-1]["level"] == "1" and status["x"]["host_bytes"] == 10 * MiB
+        )
+        status = srv.wait_for({"x": "asleep", "y": "asleep", "z": "awake"}, timeout_s=30)
+        assert _transitions(status, "y", "sleep")[-1]["level"] == "1"
+        assert status["y"]["host_bytes"] == 10 * MiB and status["y"]["sleep_level"] == 1
+        (demote,) = _transitions(status, "x", "demote")
+        assert demote["level"] == "2" and status["x"]["sleep_level"] == 2 and status["x"]["host_bytes"] == 0
+        assert "model x is demoted to level 2" in srv.log_tail(200)
+        assert _text(_ask(srv, "x", "back")) == _expected(tmp_path, "x", "back")
+        assert _transitions(srv.status(), "x", "wake")[-1]["level"] == "2"
     finally:
         srv.stop()
 

@@ -11,6 +11,7 @@ from elastic_kv_serve.policy import (
     Candidate,
     choose_suspensions,
     choose_victims,
+    demotion_order,
     due_to_sleep,
     fits,
     kv_share,
@@ -158,6 +159,28 @@ def test_a_vllm_model_with_random_weights_never_sleeps_at_level_2(tmp_path: Path
         assert host.level_for(kind, real, 64 * MiB) == 2 and host.level_for(kind, dummy, 64 * MiB) == 0
     finally:
         host.close()
+
+
+def test_arena_copies_go_to_models_used_more_recently_or_of_higher_priority() -> None:
+    asleep = [_c("lo-new", 0, 9.0, 10), _c("mid-old", 1, 1.0, 10), _c("mid-older", 1, 0.5, 10),
+              _c("mid-new", 1, 8.0, 10), _c("hi-old", 2, 0.1, 10),
+              _c("mid-kept", 1, 0.2, 10, busy=True)]  # fmt: skip
+    order = demotion_order(asleep, priority=1, last_used=5.0)
+    # lower priority first whatever its use, then the same priority least recently used first; never a
+    # model of higher priority, one used after the sleeper, or one that keeps requests (suspended)
+    assert [c.name for c in order] == ["lo-new", "mid-older", "mid-old"]
+    assert demotion_order(asleep, priority=0, last_used=1.0) == []
+
+
+def test_a_random_weights_vllm_model_is_never_demoted() -> None:
+    from elastic_kv_serve.config import ModelConfig
+    from elastic_kv_serve.kinds import CommandKind, VllmKind
+
+    assert VllmKind().can_demote(ModelConfig(name="real", model="/m"))
+    assert not VllmKind().can_demote(ModelConfig(name="d", model="/m", args=["--load-format=dummy"]))
+    command = {"name": "c", "model": "/m", "engine": "command", "command": ["s", "{port}"]}
+    assert not CommandKind().can_demote(ModelConfig(**command, sleep_path="/s", wake_path="/w"))
+    assert CommandKind().can_demote(ModelConfig(**command, sleep_path="/s", wake_path="/w", demote_path="/d"))
 
 
 def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:

@@ -17,7 +17,8 @@ back until the pool fits, as an engine preempts, and grow again while they run),
 ``POST /sleep?level=1`` (the weights into an extent of the host arena named by ``ELASTIC_KV_HOST_ARENA``,
 owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropped), ``POST
 /wake_up?level=N`` (copied back and the extent given back, or read again from ``weights.bin``; an awake
-engine stays as it is). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
+engine stays as it is), ``POST /demote`` (asleep at level 1: the extent given back, asleep at level 2 from
+then on; otherwise 409). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
 their KV back (preempted) and pause while it sleeps, then grow it again and finish after the wake-up;
 ``--refuse-keep`` answers such a sleep with 409 and stays awake. ``GET /stats``: preemptions, and the
 requests suspended by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
@@ -131,6 +132,14 @@ class Engine:
         self.weights = None
         self.level = level
 
+    def demote(self) -> None:
+        """Asleep at level 1: give the arena extent back and be asleep at level 2."""
+        if self.level != 1 or self.arena is None or self.extent is None:
+            raise RuntimeError(f"not asleep at level 1 (level {self.level})")
+        self.arena.give_back(self.extent)
+        self.extent = None
+        self.level = 2
+
     def wake(self, level: int) -> None:
         if self.weights is not None:
             return  # awake already
@@ -213,6 +222,15 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
             engine.preempt_all()
         engine.sleep(level)
         return {"level": level}
+
+    @app.post("/demote")
+    async def demote() -> Any:
+        await core()
+        try:
+            engine.demote()
+        except RuntimeError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        return {"level": 2}
 
     @app.post("/wake_up")
     async def wake_up(level: int = 1) -> dict[str, int]:

@@ -6,16 +6,22 @@ module ``test_vllm_sleep_gpu.py``).
   failing sleeps beside neighbours again.
 * Activation selects the ``elastic`` sleep-mode backend exactly when sleep mode is on and a host arena is
   configured, and ``register`` makes vLLM's factory resolve that name to the plugin's class.
+* A demotion (level 1 in the arena to level 2) keeps what vLLM's level-2 sleep keeps, the model's buffers,
+  read from the allocations' host copies: the reading is checked on tensors laid out like a model's inside
+  allocations, and what vLLM keeps is pinned to the installed source. The demotion itself runs on a GPU
+  (``test_vllm_sleep_gpu.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from vllm_elastic_kv import SLEEP_BACKEND, activation, register, worker
 from vllm_elastic_kv.config import PluginConfig
 
@@ -143,3 +149,55 @@ def test_arena_extents_are_owned_by_the_pool_the_worker_names() -> None:
     finally:
         sleep.set_owner(None)
     assert backend._owner == "vllm-123"
+
+
+def test_host_copies_read_each_buffer_from_its_allocations_host_copy() -> None:
+    from vllm_elastic_kv.sleep import host_copies
+
+    # Two "allocations" (1 KiB each) stand in for the device memory that sleeps; the buffers are tensors
+    # inside them, as a model's are: one at an offset, one strided (a transposed view), one outside both.
+    first, second = torch.zeros(1024, dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    rope = first[64 : 64 + 4 * 24].view(torch.float32).view(4, 6)
+    rope.copy_(torch.arange(24, dtype=torch.float32).view(4, 6))
+    mask = second[256 : 256 + 2 * 30].view(torch.bfloat16).view(5, 6).t()
+    mask.copy_(torch.linspace(-1, 1, 30).view(6, 5).to(torch.bfloat16))
+    outside = torch.ones(3)
+    want = {"rope": rope.clone(), "mask": mask.clone()}
+    backups = {first.data_ptr(): first.clone(), second.data_ptr(): second.clone()}
+    first.zero_()  # the device copy is gone once asleep
+    second.zero_()
+
+    got = host_copies([("rope", rope), ("mask", mask), ("outside", outside)], backups)
+
+    assert sorted(got) == ["mask", "rope"]  # a tensor outside every allocation does not sleep
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].stride() == tensor.stride()
+        assert torch.equal(got[name], tensor)
+        assert got[name].untyped_storage().data_ptr() not in (first.data_ptr(), second.data_ptr())
+
+
+def test_a_demotion_keeps_what_vllms_level_2_sleep_keeps() -> None:
+    # vLLM's level-2 sleep saves the model's named buffers into _sleep_saved_buffers, and its wake-up
+    # restores them from there: exactly what elastic_kv_demote fills.
+    from vllm.v1.worker.gpu_worker import Worker
+
+    sleep, wake = inspect.getsource(Worker.sleep), inspect.getsource(Worker.wake_up)
+    assert re.search(r"self\._sleep_saved_buffers = \{\s*name: buffer\.cpu\(\)\.clone\(\)", sleep)
+    assert "model.named_buffers()" in sleep
+    assert "buffer.data.copy_(self._sleep_saved_buffers[name].data)" in wake
+
+
+class _Plain:
+    """A worker whose sleep-mode backend is vLLM's own."""
+
+    _sleep_mode_backend = object()
+    _sleep_saved_buffers: dict[str, torch.Tensor] = {}
+
+
+class _PlainWorker(worker.ElasticWorkerMixin, _Plain):
+    pass
+
+
+def test_a_demotion_is_refused_without_the_elastic_backend() -> None:
+    with pytest.raises(RuntimeError, match="not asleep through the elastic sleep-mode backend"):
+        _PlainWorker().elastic_kv_demote()

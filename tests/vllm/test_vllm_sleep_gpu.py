@@ -8,7 +8,10 @@ sleep-mode backend. The tests run in file order on that engine:
   vLLM's own closing check would fail that sleep; the weights sit in one arena extent while asleep, come
   back bit for bit (greedy tokens equal), and the extent goes back to the arena on wake-up;
 * the whole arena pinned once (``elastic_kv_pin_host``), then another sleep and wake-up;
-* level 2 (weights discarded, reloaded with ``reload_weights``) leaves the arena alone and answers alike.
+* level 2 (weights discarded, reloaded with ``reload_weights``) leaves the arena alone and answers alike;
+* a level-1 sleep demoted to level 2 (``elastic_kv_demote``, what ``elastic-kv serve`` does to give the
+  arena to a model used more recently): the extent goes back at once, the buffers (the rotary tables, which
+  ``reload_weights`` does not restore) are kept, and level 2's wake-up answers alike.
 """
 
 from __future__ import annotations
@@ -109,6 +112,23 @@ def test_level_2_discards_the_weights_and_leaves_the_arena_alone(engine: dict[st
     llm, arena = engine["llm"], engine["arena"]
     llm.sleep(level=2)
     assert arena.extents() == []
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert _generate(llm) == engine["tokens"]
+
+
+def test_a_level_1_sleep_demoted_to_level_2_gives_the_arena_back_and_answers_alike(
+    engine: dict[str, Any],
+) -> None:
+    llm, arena = engine["llm"], engine["arena"]
+    llm.sleep(level=1)
+    (extent,) = arena.extents()
+    (demoted,) = llm.collective_rpc("elastic_kv_demote")
+    assert demoted == {"freed_bytes": extent.size, "buffers": demoted["buffers"]} and demoted["buffers"] > 0
+    assert arena.extents() == []
+    with pytest.raises(Exception, match="not asleep in the host arena"):
+        llm.collective_rpc("elastic_kv_demote")
     llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["kv_cache"])

@@ -57,6 +57,8 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     wake_path = "/wake_up?level={level}"  # engine's API (without them, sleeping stops the process);
                                           # {mode} (optional): "keep" (requests in flight resume after
                                           # the wake: the model can be suspended) or "abort"
+    demote_path = "/demote"     # optional: turns a level-1 sleep into a level-2 one (its arena extent
+                                # given back) so that a model used more recently can sleep at level 1
 
 Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with one line that names the key
 (``models[1].idle_sleep_s: ...``). The tables are pydantic models with ``extra="forbid"`` and strict types.
@@ -216,10 +218,16 @@ class ModelConfig(_Table):
     health_path: str = "/health"
     sleep_path: str | None = None
     wake_path: str | None = None
+    demote_path: str | None = None
 
     @model_validator(mode="after")
     def _command(self) -> ModelConfig:
-        own = {"command": self.command, "sleep_path": self.sleep_path, "wake_path": self.wake_path}
+        own = {
+            "command": self.command,
+            "sleep_path": self.sleep_path,
+            "wake_path": self.wake_path,
+            "demote_path": self.demote_path,
+        }
         if self.engine != "command":
             given = [k for k, v in own.items() if v is not None]
             if given:
@@ -231,7 +239,9 @@ class ModelConfig(_Table):
             raise ValueError("command must contain {port}: the server picks the engine's port")
         if (self.sleep_path is None) != (self.wake_path is None):
             raise ValueError("sleep_path and wake_path go together")
-        for key in ("health_path", "sleep_path", "wake_path"):
+        if self.demote_path is not None and self.sleep_path is None:
+            raise ValueError("demote_path needs sleep_path and wake_path")
+        for key in ("health_path", "sleep_path", "wake_path", "demote_path"):
             value = getattr(self, key)
             if value is not None and not value.startswith("/"):
                 raise ValueError(f"{key} must be a path starting with /, got {value!r}")

@@ -9,7 +9,9 @@ One :class:`EngineKind` per ``engine`` value of the config:
   back. Level 2: ``POST /sleep?level=2`` drops them; waking is vLLM's documented sequence ``/wake_up?tags=
   weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint: not for ``--load-format dummy``,
   whose sleeps are level 1 or a stop), ``/wake_up?tags=kv_cache``. Once it serves, ``/collective_rpc``
-  ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no sleep pays for pinning. A
+  ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no sleep pays for pinning.
+  ``/collective_rpc`` ``elastic_kv_demote`` turns a level-1 sleep into a level-2 one (where level 2 can
+  reload the weights), giving its arena extent back. A
   suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler, preempts the running
   requests (their KV is freed with the rest) and keeps them queued; the wake resumes the scheduler, which
   recomputes them.
@@ -19,7 +21,8 @@ One :class:`EngineKind` per ``engine`` value of the config:
 * ``command`` -- any OpenAI-compatible server the config starts with ``command`` (``{port}`` and
   ``{model}`` substituted); it sleeps through ``sleep_path`` / ``wake_path`` (``{level}`` substituted:
   levels 1 and 2) when both are given, and its level-1 copies are expected in the arena it finds in
-  ``ELASTIC_KV_HOST_ARENA``. A ``sleep_path`` with ``{mode}`` (``keep`` or ``abort``) can be suspended.
+  ``ELASTIC_KV_HOST_ARENA``. A ``sleep_path`` with ``{mode}`` (``keep`` or ``abort``) can be suspended;
+  with a ``demote_path``, a level-1 sleep can be turned into a level-2 one.
 
 Where an engine cannot sleep through its API, sleeping stops its process (``stop`` mode) and waking
 cold-starts it.
@@ -107,10 +110,19 @@ class EngineKind:
         """Whether ``model``'s engine can sleep while it serves, keeping its requests for its wake."""
         return False
 
+    def can_demote(self, model: ModelConfig) -> bool:
+        """Whether ``model``'s engine, asleep at level 1 in the host arena, can turn that into level 2."""
+        return False
+
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
     ) -> None:
         """Sleep at ``level``; ``keep`` (where :meth:`can_suspend`): requests in flight resume on wake-up."""
+        raise NotImplementedError
+
+    async def demote(self, client: httpx.AsyncClient, url: str, model: ModelConfig) -> None:
+        """Turn a level-1 sleep in the arena into a level-2 one (where :meth:`can_demote`): its extent is
+        free when this returns, and the next wake is level 2's."""
         raise NotImplementedError
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
@@ -146,6 +158,12 @@ class VllmKind(EngineKind):
 
     def can_suspend(self, model: ModelConfig) -> bool:
         return True
+
+    def can_demote(self, model: ModelConfig) -> bool:
+        return 2 in self.levels_for(model)
+
+    async def demote(self, client: httpx.AsyncClient, url: str, model: ModelConfig) -> None:
+        await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_demote"})
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
@@ -216,6 +234,13 @@ class CommandKind(EngineKind):
 
     def can_suspend(self, model: ModelConfig) -> bool:
         return model.sleep_path is not None and "{mode}" in model.sleep_path
+
+    def can_demote(self, model: ModelConfig) -> bool:
+        return model.demote_path is not None
+
+    async def demote(self, client: httpx.AsyncClient, url: str, model: ModelConfig) -> None:
+        assert model.demote_path is not None
+        await _post(client, url + model.demote_path)
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False

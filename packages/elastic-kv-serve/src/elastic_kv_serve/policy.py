@@ -23,6 +23,11 @@ lowest priority first, then the one awake longest, never a pinned one, one of hi
 engine cannot keep its requests asleep. A suspended model wakes again once room is free, or once it has
 waited long enough to suspend in turn a model that was awake before it was suspended: serving models take
 turns, each awake for at least the minimum, and none waits without end.
+
+Host arena: level-1 copies are kept for the models used most recently. A model going to sleep whose copy
+does not fit in the arena takes the extents of asleep models that come before it in the order *lower
+priority, then less recently used*: they are demoted to level 2 (their next wake reloads the weights), the
+first in that order first, until its copy fits. Otherwise it sleeps at level 2 itself.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "Candidate",
     "choose_suspensions",
     "choose_victims",
+    "demotion_order",
     "due_to_sleep",
     "fits",
     "kv_share",
@@ -120,6 +126,16 @@ def _until_fits(
         if taken < len(ordered):
             used -= ordered[taken].footprint_bytes
     return None
+
+
+def demotion_order(asleep: Iterable[Candidate], *, priority: int, last_used: float) -> list[Candidate]:
+    """The asleep level-1 models a model of ``priority``, last used at ``last_used``, may demote to make room
+    for its own copy (see the module docstring), in the order to demote them: those of lower priority, and
+    those of equal priority used less recently; busy (suspended) ones never."""
+    return sorted(
+        (c for c in asleep if not c.busy and (c.priority, c.last_used) < (priority, last_used)),
+        key=lambda c: (c.priority, c.last_used),
+    )
 
 
 def due_to_sleep(candidates: Sequence[Candidate], now: float) -> list[Candidate]:

@@ -119,6 +119,7 @@ class Supervisor:
         self._sharing = False  # the serving models' KV is shared now (policy: "KV shares")
         self._unshareable: set[str] = set()  # models whose pool took no limit (named parts, or refused)
         self._unsuspendable: set[str] = set()  # models whose engine refused a suspension (until a new start)
+        self._undemotable: set[str] = set()  # models whose engine refused a demotion (until a new start)
         self._share_lock = asyncio.Lock()  # one shares decision at a time (the monitor and waiting wakes)
         self._starts = asyncio.Semaphore(srv.start_parallel)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -353,6 +354,7 @@ class Supervisor:
             rt.suspended = False  # a new process: whatever the old one kept is gone
             self._unshareable.discard(rt.name)
             self._unsuspendable.discard(rt.name)
+            self._undemotable.discard(rt.name)
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
                 if rt.sleep_mode == "engine":
@@ -472,6 +474,7 @@ class Supervisor:
         t0 = time.monotonic()
         kind = kind_of(rt.config)
         async with self._host_lock:
+            await self._arena_room_for(rt)
             level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
             if not level:  # the host arena filled since the choice: a stop would lose its requests
                 rt.set_state(State.AWAKE)
@@ -520,6 +523,7 @@ class Supervisor:
             level = 0
             died = False
             if rt.sleep_mode == "engine" and rt.engine is not None:
+                await self._arena_room_for(rt)
                 level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
             try:
                 if level and rt.engine is not None:
@@ -554,6 +558,50 @@ class Supervisor:
             f"level {level}" if level else "stopped",
             took,
         )
+
+    async def _arena_room_for(self, rt: ModelRuntime) -> None:
+        """Before ``rt`` sleeps (the host lock held): if its level-1 copy does not fit in the host arena,
+        demote asleep level-1 models that come before it (:func:`elastic_kv_serve.policy.demotion_order`)
+        to level 2 until it fits. A model whose wake or start is under way is left alone; an engine that
+        refuses is not asked again until it restarts."""
+        kind = kind_of(rt.config)
+        need = rt.host_need_bytes or rt.weights_bytes
+        if not kind.uses_arena or 1 not in kind.levels_for(rt.config):
+            return
+        if self.host.level_for(kind, rt.config, need) == 1:
+            return
+        asleep = {
+            o.name: o
+            for o in self.models.values()
+            if o is not rt and o.state is State.ASLEEP and o.sleep_level == 1 and o.host_bytes > 0
+            and o.engine is not None and o.name not in self._undemotable
+            and kind_of(o.config).can_demote(o.config)
+        }  # fmt: skip
+        candidates = [
+            policy.Candidate(o.name, o.config.priority, o.last_used, o.host_bytes, busy=o.busy)
+            for o in asleep.values()
+        ]
+        for chosen in policy.demotion_order(candidates, priority=rt.config.priority, last_used=rt.last_used):
+            other = asleep[chosen.name]
+            engine = other.engine
+            if other.lock.locked() or other.state is not State.ASLEEP or engine is None:
+                continue  # waking or starting now
+            async with other.lock:
+                t0 = time.monotonic()
+                try:
+                    demote = kind_of(other.config).demote(self.client, engine.url, other.config)
+                    await engine.while_alive(self.client, demote, "demote to level 2")
+                except httpx.HTTPError as exc:
+                    logger.warning("model %s was not demoted to level 2: %s", other.name, exc)
+                    self._undemotable.add(other.name)
+                    continue
+                other.sleep_level = 2
+                took = time.monotonic() - t0
+                other.record("demote", "2", took)
+                await self._refresh_host()
+            logger.info("model %s is demoted to level 2 (%.2f s) for %s", other.name, took, rt.name)
+            if self.host.level_for(kind, rt.config, need) == 1:
+                return
 
     async def _failed(self, rt: ModelRuntime, error: str, start_cause: str | None = None) -> None:
         """Mark ``rt`` failed, clean its engine up, restart it with back-off (up to ``max_restarts``; a start

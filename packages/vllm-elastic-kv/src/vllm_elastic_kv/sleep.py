@@ -18,6 +18,13 @@ allocation (``CuMemAllocator.sleep`` with nothing left to offload), and on wake-
 copying back from the host tensors we leave in each allocation's ``cpu_backup_tensor``
 (``CuMemAllocator.wake_up``). Level 2 (weights discarded), and a level-1 sleep the arena has no room for,
 are vLLM's own ``cumem`` backend unchanged.
+
+Demotion (:meth:`ElasticSleepBackend.demote`, the worker's ``elastic_kv_demote``): an engine asleep at level 1
+gives its extent back and becomes asleep at level 2, as if it had slept at level 2 in the first place. vLLM's
+level-2 sleep keeps host copies of the model's buffers (which ``reload_weights`` does not restore); the
+demotion takes those copies from the extent instead of the device, where the weights no longer are. It lets
+``elastic-kv serve`` keep the arena for the models used most recently: a model going to sleep may take the
+extent of one that has been asleep, and unused, for longer.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +46,7 @@ from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 
 from vllm_elastic_kv import compat
 
-__all__ = ["ElasticSleepBackend", "PinnedArena", "process_arena", "set_owner"]
+__all__ = ["ElasticSleepBackend", "PinnedArena", "host_copies", "process_arena", "set_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,28 @@ def process_arena(path: Path) -> PinnedArena:
 _owner_name: str | None = None
 
 
+def host_copies(
+    tensors: Iterable[tuple[str, torch.Tensor]], backups: Mapping[int, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Host copies of the device ``tensors`` whose memory is asleep, read from the host copies of their
+    allocations (``backups``: an allocation's device address -> the bytes it held, one ``uint8`` tensor).
+    Each copy has its tensor's dtype, shape, strides and storage offset. A tensor outside every allocation
+    is still on the device (its memory does not sleep) and has no entry."""
+    spans = sorted((address, backup) for address, backup in backups.items())
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        storage = tensor.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        for address, backup in spans:
+            if address <= start and start + size <= address + backup.numel():
+                raw = backup[start - address : start - address + size].clone()
+                copy = torch.empty(0, dtype=tensor.dtype)
+                copy.set_(raw.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+                out[name] = copy
+                break
+    return out
+
+
 def set_owner(name: str | None) -> None:
     """Name this process's arena extents after the engine's pool (the worker calls it with the pool name of
     ``additional_config`` or ``ELASTIC_KV_POOL_NAME``, whichever configured it): ``elastic-kv status`` and
@@ -130,6 +160,11 @@ class ElasticSleepBackend(CuMemBackend):
     def arena(self) -> PinnedArena | None:
         """The host arena this engine sleeps into (``None``: vLLM's own host copies)."""
         return self._arena
+
+    @property
+    def extent_bytes(self) -> int:
+        """Bytes of the arena this engine holds asleep (0: none)."""
+        return self._extent.size if self._extent is not None else 0
 
     def _level_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether vLLM's ``suspend`` call asks for a level-1 sleep: ``suspend(level)`` with level 1, or
@@ -189,6 +224,36 @@ class ElasticSleepBackend(CuMemBackend):
             time.perf_counter() - t0,
             pin_s,
         )
+
+    def demote(self, buffers: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Turn this engine's level-1 sleep in the arena into a level-2 one (see the module docstring): the
+        host copies of ``buffers`` (the model's named buffers, for the worker to restore on wake-up as after
+        vLLM's own level-2 sleep), then the extent given back and every allocation left without a host copy,
+        so that the wake-up maps them empty for ``reload_weights``. :class:`RuntimeError` when this engine
+        is not asleep in the arena."""
+        extent, arena = self._extent, self._arena
+        if extent is None or arena is None:
+            raise RuntimeError("not asleep in the host arena: nothing to demote")
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        allocator: Any = get_mem_allocator_instance()
+        asleep = [
+            (address, data)
+            for address, data in allocator.pointer_to_data.items()
+            if data.tag in self._offload_tags and data.cpu_backup_tensor is not None
+        ]
+        saved = host_copies(buffers, {address: data.cpu_backup_tensor for address, data in asleep})
+        for _, data in asleep:
+            data.cpu_backup_tensor = None
+        arena.arena.give_back(extent)
+        self._extent = None
+        logger.info(
+            "demoted to level 2: %s of host arena %s given back (%d buffers kept)",
+            format_bytes(extent.size),
+            arena.arena.path,
+            len(saved),
+        )
+        return saved
 
     def resume(self, tags: list[str] | None = None) -> None:
         """vLLM's wake-up; the extent goes back to the arena once nothing is read from it any more."""

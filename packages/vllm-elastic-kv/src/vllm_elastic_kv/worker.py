@@ -69,6 +69,7 @@ class ElasticWorkerMixin:
     _elastic_pool: WorkerPool | None = None
     # Provided by vLLM's worker:
     vllm_config: Any
+    _sleep_saved_buffers: dict[str, torch.Tensor]  # the buffers its wake_up restores after a level-2 sleep
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         """vLLM's ``initialize_from_config``, with the KV cache allocated in elastic spaces and served to the
@@ -128,6 +129,32 @@ class ElasticWorkerMixin:
         pinned = process_arena(path)
         seconds = pinned.pin_all()
         return {"pinned_bytes": pinned.pinned_bytes, "seconds": round(seconds, 3)}
+
+    def elastic_kv_demote(self) -> dict[str, Any]:
+        """Turn this engine's level-1 sleep in the host arena into a level-2 one
+        (``collective_rpc("elastic_kv_demote")``, which ``elastic-kv serve`` sends to give the arena to a
+        model used more recently; :meth:`vllm_elastic_kv.sleep.ElasticSleepBackend.demote`): the extent goes
+        back, the model's buffers are kept as vLLM's level-2 sleep keeps them, and the wake-up is level 2's
+        (``reload_weights`` between the weights' wake-up and the KV cache's). Returns the bytes given back.
+        :class:`RuntimeError` where this worker cannot: not asleep in the arena, or this vLLM's level-2
+        sleep would keep more than the buffers (a draft model; ``sleep_preserve_parameter_names``; from
+        0.34 on, whatever ``reload_weights`` does not rewrite)."""
+        from vllm_elastic_kv.sleep import ElasticSleepBackend
+
+        backend = getattr(self, "_sleep_mode_backend", None)
+        if not hasattr(self, "_sleep_saved_buffers"):  # compat.PROBED
+            raise RuntimeError("this vLLM's level-2 sleep keeps its own host copies: no demotion")
+        if not isinstance(backend, ElasticSleepBackend):
+            raise RuntimeError("not asleep through the elastic sleep-mode backend: nothing to demote")
+        draft = getattr(self, "get_draft_model", None)
+        if draft is not None and draft() is not None:
+            raise RuntimeError("a level-2 sleep of a model with a draft model keeps its buffers too")
+        if getattr(self.vllm_config.model_config, "sleep_preserve_parameter_names", None):
+            raise RuntimeError("sleep_preserve_parameter_names: a level-2 sleep keeps those parameters too")
+        extent = backend.extent_bytes
+        model = getattr(self, "model_runner").model  # noqa: B009 - set by vLLM's worker
+        self._sleep_saved_buffers = backend.demote(model.named_buffers())
+        return {"freed_bytes": extent, "buffers": len(self._sleep_saved_buffers)}
 
     def elastic_kv_info(self) -> dict[str, Any]:
         """This worker's physical KV state (``LLM.collective_rpc("elastic_kv_info")``), with the model's KV

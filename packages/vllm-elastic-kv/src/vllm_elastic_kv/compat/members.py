@@ -135,7 +135,8 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests"),
     "vllm.v1.request.Request": ("request_id", "client_index"),
-    "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank"),
+    # ... and its sleep-mode backend (elastic_kv_demote)
+    "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank", "_sleep_mode_backend"),
     "vllm.device_allocator.cumem.CuMemAllocator": ("pointer_to_data",),
 }
 
@@ -160,6 +161,13 @@ PROBED: Mapping[str, str] = {
     "vllm.v1.engine.EngineCoreRequestType.WAKEUP": _NEXT_STEP,
     "vllm.v1.worker.gpu_worker.Worker.model_runner": "no cross-layer KV sharing",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.shared_kv_cache_layers": "no cross-layer KV sharing",
+    "vllm.v1.worker.gpu_worker.Worker._sleep_saved_buffers": (
+        "0.34+ (a level-2 sleep keeps, allocator side, what reload_weights does not rewrite): no demotion"
+    ),
+    "vllm.v1.worker.gpu_worker.Worker.get_draft_model": "no draft model to refuse a demotion for",
+    f"{_CONFIG}.ModelConfig.sleep_preserve_parameter_names": (
+        "a level-2 sleep keeps no parameters: a demotion keeps the buffers only"
+    ),
     f"{_CONFIG}.ModelConfig.served_model_name": "the pool is named after the model path",
     f"{_CONFIG}.VllmConfig.kv_transfer_config": "no KV connectors to refuse",
     f"{_CONFIG}.VllmConfig.speculative_config": "no speculative decoding to refuse",
