@@ -119,9 +119,11 @@ def summarize(
 def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]:
     """Seconds of every transition the sleep set-up's server recorded, by kind: ``wake`` (from level 1 or
     2 for a request: the swaps), ``resume`` (a suspended model's wake), ``cold`` (a wake or start that
-    started a process), ``sleep`` (through the engine), ``suspend`` (a sleep while serving, its requests kept)
-    and ``stop`` (a sleep that stopped the process)."""
-    out: dict[str, list[float]] = {k: [] for k in ("wake", "resume", "cold", "sleep", "suspend", "stop")}
+    started a process), ``sleep`` (through the engine), ``suspend`` (a sleep while serving, its requests kept),
+    ``stop`` (a sleep that stopped the process) and ``demote`` (an asleep model's level-1 copy given up for a
+    model used more recently)."""
+    kinds = ("wake", "resume", "cold", "sleep", "suspend", "stop", "demote")
+    out: dict[str, list[float]] = {k: [] for k in kinds}
     for model in (final_status or {}).get("models", []):
         for t in model.get("transitions", []):
             out[t["level"] if t["level"] in ("stop", "cold") else t["kind"]].append(t["seconds"])
@@ -184,7 +186,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         titles = {"wake": "swap (wake from level 1/2, room made included)", "cold": "cold start",
                   "resume": "resume (a suspended model's wake)", "sleep": "sleep (level 1/2)",
                   "suspend": "suspend (sleep while serving, requests kept)",
-                  "stop": "sleep by stopping"}  # fmt: skip
+                  "stop": "sleep by stopping", "demote": "demote (asleep, level 1 to 2)"}  # fmt: skip
         for kind, values in swaps.items():
             if values:
                 lines.append(

@@ -91,10 +91,11 @@ def test_prism_slo_per_model_and_swap_times() -> None:
         {"transitions": [{"kind": "sleep", "level": "stop", "seconds": 2.0},
                          {"kind": "wake", "level": "cold", "seconds": 50.0},
                          {"kind": "suspend", "level": "1", "seconds": 0.3},
-                         {"kind": "resume", "level": "1", "seconds": 0.5}]},
+                         {"kind": "resume", "level": "1", "seconds": 0.5},
+                         {"kind": "demote", "level": "2", "seconds": 0.01}]},
     ]}  # fmt: skip
     assert swap_times(status) == {"wake": [0.9], "resume": [0.5], "cold": [40.0, 50.0], "sleep": [0.4],
-                                  "suspend": [0.3], "stop": [2.0]}  # fmt: skip
+                                  "suspend": [0.3], "stop": [2.0], "demote": [0.01]}  # fmt: skip
     results = {
         "device": "cuda", "models": 2, "model_names": ["a", "b"], "trace": "t", "slo": "s",
         "prism_slo": prism.describe(),
