@@ -45,6 +45,7 @@ for _src in ("elastic-kv-core", "vllm-elastic-kv"):
 
 from vllm_elastic_kv.compat import (  # noqa: E402
     ADDED_ATTRIBUTES,
+    CPU_MEMBERS,
     INSTANCE_MEMBERS,
     MEMBERS,
     MEMBERS_BY_ALLOCATION,
@@ -452,7 +453,7 @@ def symbols(entry: VersionSupport) -> Iterator[tuple[str, str, bool, object]]:
         yield str(target), target.kind, True, target
     module, _, func = entry.get_kv_cache_configs.partition(":")
     yield f"{module}.{func}", "function", True, Target(module, func)
-    for table in (MEMBERS, MEMBERS_BY_ALLOCATION[entry.kv_allocation]):
+    for table in (MEMBERS, CPU_MEMBERS, MEMBERS_BY_ALLOCATION[entry.kv_allocation]):
         for owner, names in table.items():
             for name in names:
                 yield f"{owner}.{name}", "member", True, ("member", f"{owner}.{name}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,26 @@ def _native_config(monkeypatch: pytest.MonkeyPatch) -> Any:
         kv_cache_memory_bytes=8 << 20,
     )
     return args.create_engine_config()
+
+
+_OFF_CPU = """
+import sys, torch
+event, pin = torch.cuda.Event, torch.Tensor.pin_memory
+from vllm.platforms import current_platform
+current_platform.is_cpu = lambda: False  # as on a GPU
+from vllm_elastic_kv import compat
+assert compat.missing_members(compat.support_for(compat.installed_version())) == []
+assert "vllm.v1.worker.cpu_worker" not in sys.modules, "the CPU worker was imported"
+assert torch.cuda.Event is event and torch.Tensor.pin_memory is pin, "torch's device API was rebound"
+"""
+
+
+def test_the_member_check_off_the_cpu_leaves_torchs_device_api_alone() -> None:
+    # Importing vLLM's CPU worker rebinds torch.cuda.Event, Tensor.pin_memory and more for the whole process
+    # (and the engine processes forked from it): on a GPU that broke torch.compile's autotuning and vLLM's
+    # pinned buffers. Off the CPU platform the member check must not import it.
+    done = subprocess.run([sys.executable, "-c", _OFF_CPU], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_installed_vllm_has_every_member() -> None:
@@ -116,7 +138,13 @@ def test_every_probe_in_the_plugin_is_listed() -> None:
     """Each ``getattr(obj, "name", ...)`` / ``hasattr(obj, "name")`` in the plugin reads a member some vLLM
     release may lack: it must be in a table, so that a probe added without one fails here."""
     listed = {dotted.rpartition(".")[2] for dotted in compat.PROBED}
-    for table in (compat.MEMBERS, compat.INSTANCE_MEMBERS, *compat.MEMBERS_BY_ALLOCATION.values()):
+    tables = (
+        compat.MEMBERS,
+        compat.CPU_MEMBERS,
+        compat.INSTANCE_MEMBERS,
+        *compat.MEMBERS_BY_ALLOCATION.values(),
+    )
+    for table in tables:
         for names in table.values():
             listed.update(names)
     probe = re.compile(r"\b(?:getattr|hasattr)\([^,()]+(?:\([^()]*\))?, \"([A-Za-z_]+)\"")

@@ -17,6 +17,7 @@ that would retire them.
 
 from vllm_elastic_kv.compat.members import (
     ADDED_ATTRIBUTES,
+    CPU_MEMBERS,
     INSTANCE_MEMBERS,
     MEMBERS,
     MEMBERS_BY_ALLOCATION,
@@ -45,6 +46,7 @@ from vllm_elastic_kv.compat.versions import (
 __all__ = [
     "ADDED_ATTRIBUTES",
     "ARG_UTILS",
+    "CPU_MEMBERS",
     "INSTANCE_MEMBERS",
     "MEMBERS",
     "MEMBERS_BY_ALLOCATION",

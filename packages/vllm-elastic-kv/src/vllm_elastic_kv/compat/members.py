@@ -34,6 +34,7 @@ from vllm_elastic_kv.compat.versions import VersionSupport, installed_version
 
 __all__ = [
     "ADDED_ATTRIBUTES",
+    "CPU_MEMBERS",
     "INSTANCE_MEMBERS",
     "MEMBERS",
     "MEMBERS_BY_ALLOCATION",
@@ -75,8 +76,6 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.engine.EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason", "stop_reason"),
     "vllm.v1.engine.EngineCoreOutputs": ("outputs",),
     "vllm.v1.engine.FinishReason": ("ERROR",),
-    # workers: the CPU worker is subclassed like the GPU one
-    "vllm.v1.worker.cpu_worker": ("CPUWorker",),
     "vllm.platforms.interface.Platform": ("is_cpu", "is_cuda_alike", "is_rocm"),
     # configuration read at activation, by the scheduler and by the workers
     "vllm.engine.arg_utils.EngineArgs": ("additional_config",),
@@ -115,6 +114,15 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
 MEMBERS_BY_ALLOCATION: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "one_buffer": {f"{_IFACE}.KVCacheTensor": ("layers", "layer_stride", "block_stride", "offset")},
     "per_tensor": {},
+}
+
+# Members looked up only where vLLM's platform is the CPU. Importing vLLM's CPU worker rebinds torch's device
+# API for the whole process (vllm/v1/worker/cpu/shm.py: torch.cuda.Event, streams, Tensor.pin_memory,
+# torch.accelerator's synchronize and memory info): on a GPU, a process that imported it -- and every
+# engine process forked from it -- would time, pin and measure nothing. The CPU worker is subclassed like
+# the GPU one.
+CPU_MEMBERS: Mapping[str, tuple[str, ...]] = {
+    "vllm.v1.worker.cpu_worker": ("CPUWorker",),
 }
 
 # Class (dotted) -> attributes its constructor sets on every instance, read by the plugin. Checked by
@@ -206,11 +214,15 @@ def _resolve(owner: str) -> Any | None:
 
 
 def missing_members(support: VersionSupport) -> list[str]:
-    """The dotted names of :data:`MEMBERS` (and ``support``'s :data:`MEMBERS_BY_ALLOCATION`) that the
-    installed vLLM lacks, and the :data:`ADDED_ATTRIBUTES` owners whose instances take no new attribute.
-    Imports the owners."""
+    """The dotted names of :data:`MEMBERS` (and ``support``'s :data:`MEMBERS_BY_ALLOCATION`; on the CPU
+    platform :data:`CPU_MEMBERS`) that the installed vLLM lacks, and the :data:`ADDED_ATTRIBUTES` owners whose
+    instances take no new attribute. Imports the owners."""
+    from vllm.platforms import current_platform
+
     missing: list[str] = []
-    tables = (MEMBERS, MEMBERS_BY_ALLOCATION[support.kv_allocation])
+    tables = [MEMBERS, MEMBERS_BY_ALLOCATION[support.kv_allocation]]
+    if current_platform.is_cpu():
+        tables.append(CPU_MEMBERS)
     for table in tables:
         for owner_name, names in table.items():
             owner = _resolve(owner_name)
