@@ -41,6 +41,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import httpx  # noqa: E402
+from elastic_kv.registry import Registry  # noqa: E402
+from elastic_kv_serve.config import pool_name_for  # noqa: E402
+from elastic_kv_serve.memory import pool_names  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.live import Live  # noqa: E402
 from rich.progress_bar import ProgressBar  # noqa: E402
@@ -76,11 +79,14 @@ class Timeline:
 
 
 class View(threading.Thread):
-    """Polls ``/status`` four times a second, draws the table, records the timeline."""
+    """Polls ``/status`` four times a second, draws the table, records the timeline. Each model's KV is read
+    from its pool records in the server's registry (what ``kvctl`` reads): the server's own figure is
+    refreshed every half second, and a burst can end between two refreshes."""
 
     def __init__(self, server: ServeProcess, timeline: Timeline, live: Live | None) -> None:
         super().__init__(name="view", daemon=True)
         self.server, self.timeline, self.live = server, timeline, live
+        self.registry = Registry(server.registry)
         self.phase = "start-up"
         self.in_flight: dict[str, int] = dict.fromkeys(NAMES, 0)
         self.halt = threading.Event()
@@ -95,6 +101,9 @@ class View(threading.Thread):
                 status = self.server.status()
             except httpx.HTTPError:
                 continue
+            charged = {p.name: p.charged_bytes for p in self.registry.pools(reclaim=False)}
+            for name, m in status.items():
+                m["kv_bytes"] = sum(charged.get(p, 0) for p in pool_names(pool_name_for(name)))
             t = time.monotonic() - self.t0
             self.timeline.samples.append(
                 (t, self.phase, {n: (m["state"], m["kv_bytes"]) for n, m in status.items()})

@@ -12,20 +12,17 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 from elastic_kv_serve.engines import free_port
+from elastic_kv_serve.process import ChildProcess
 
 __all__ = [
     "LLAMA_8B",
@@ -190,43 +187,15 @@ def vllm_server_argv(model_dir: Path, name: str, port: int, args: Sequence[str])
     ]  # fmt: skip
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class ServerProcess:
+class ServerProcess(ChildProcess):
     """One HTTP server child (a vLLM engine or ``elastic-kv serve``) with its log and health check."""
 
     def __init__(self, name: str, argv: list[str], env: Mapping[str, str], port: int, log_path: Path) -> None:
+        super().__init__(argv, env, log_path)
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.argv = argv
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 -- closed in stop()
-        self._log.write(f"==== {' '.join(argv)}\n".encode())
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            argv,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-            preexec_fn=_die_with_parent,
-        )
-        self.started = time.monotonic()
         self.ready_s: float | None = None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
     def poll_ready(self, path: str = "/health") -> bool:
         """True once ``GET path`` answered 200 (remembered); ``RuntimeError`` with the log's tail if the
@@ -240,7 +209,7 @@ class ServerProcess:
             )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{self.url}{path}", timeout=2.0, trust_env=False).status_code == 200:
-                self.ready_s = time.monotonic() - self.started
+                self.ready_s = time.monotonic() - self.started_at
         return self.ready_s is not None
 
     def wait_ready(self, timeout_s: float, path: str = "/health") -> None:
@@ -253,17 +222,9 @@ class ServerProcess:
                 )
             time.sleep(0.5)
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``timeout_s`` (idempotent)."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # children left behind by the leader
-        self.proc.wait()
-        self._log.close()
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM the server, SIGKILL its process group after ``timeout_s`` (idempotent)."""
+        return super().stop(timeout_s)
 
 
 def start_all(
@@ -288,7 +249,7 @@ def start_all(
             for proc in list(starting):
                 try:
                     up = proc.poll_ready()
-                    if not up and time.monotonic() - proc.started > timeout_s:
+                    if not up and time.monotonic() - proc.started_at > timeout_s:
                         raise RuntimeError(
                             f"{proc.name} did not start in {timeout_s:.0f} s; see {proc.log_path}"
                         )

@@ -119,9 +119,9 @@ def summarize(
 def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]:
     """Seconds of every transition the sleep set-up's server recorded, by kind: ``wake`` (from level 1 or
     2 for a request: the swaps), ``resume`` (a suspended model's wake), ``cold`` (a wake or start that
-    started a process), ``sleep`` (through the engine), ``suspend`` (a sleep while serving, its requests kept),
-    ``stop`` (a sleep that stopped the process) and ``demote`` (an asleep model's level-1 copy given up for a
-    model used more recently)."""
+    started a process), ``sleep`` (through the engine), ``suspend`` (a sleep while serving, its requests
+    kept), ``stop`` (a sleep that stopped the process) and ``demote`` (an asleep model's level-1 copy given
+    up for a model used more recently)."""
     kinds = ("wake", "resume", "cold", "sleep", "suspend", "stop", "demote")
     out: dict[str, list[float]] = {k: [] for k in kinds}
     for model in (final_status or {}).get("models", []):

@@ -1,17 +1,15 @@
 """``elastic-kv serve`` in a child process, for the server's tests and the demo.
 
-:class:`ServeProcess` writes a TOML config, starts ``python -m elastic_kv_serve serve --config ...`` with
-its output in a log file, reads ``/status``, waits for model states, and stops the server with SIGTERM
-(the drain path) or, if that fails, SIGKILL.
+:class:`ServeProcess` writes a TOML config, starts ``python -m elastic_kv_serve serve --config ...`` as a
+:class:`elastic_kv_serve.process.ChildProcess` (its output in a log file), reads ``/status``, waits for
+model states, and stops the server with SIGTERM (the drain path) or, if that fails, SIGKILL.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import ssl
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import httpx
 from elastic_kv_serve.engines import free_port
+from elastic_kv_serve.process import ChildProcess
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
@@ -95,14 +94,12 @@ class ServeProcess:
         }
         self.config = write_config(workdir / "models.toml", server, models)
         self.log_path = workdir / "serve.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 -- closed in stop()
         engine_logs.watch(self.log_path, f"{workdir.name}/serve.log")
         engine_logs.watch(workdir / "logs", f"{workdir.name}/logs")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config)],
-            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        argv = [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config)]
+        self.child = ChildProcess(argv, env, self.log_path, cwd=REPO_ROOT)
+        self.proc = self.child.proc
         self.client = httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0), headers=headers, verify=verify
         )
@@ -142,15 +139,8 @@ class ServeProcess:
     def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status. After a drain the server exits by
         the signal it got (uvicorn re-raises it once shut down): ``-SIGTERM`` is the clean answer."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = self.child.stop(timeout_s)
         self.client.close()
-        self._log.close()
         engine_logs.unwatch(self.log_path)
         engine_logs.unwatch(self.workdir / "logs")
-        return self.proc.returncode
+        return code

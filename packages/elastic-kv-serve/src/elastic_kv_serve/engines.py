@@ -4,8 +4,8 @@ Each model runs in one engine process (vLLM's OpenAI API server module or ``sgla
 private loopback port, with ``--kv-cache-backend=elastic``, its own pool name (``ELASTIC_KV_POOL_NAME``) and
 the server's registry directory (``ELASTIC_KV_REGISTRY_DIR``), so ``kvctl`` and the budget see every pool.
 The process leads its own process group (a terminal's Ctrl-C reaches the server, which drains first) and
-gets SIGTERM if the server dies (``PR_SET_PDEATHSIG``); stopping it signals the whole group, so the
-engine's own children (vLLM's engine core, SGLang's scheduler) go with it.
+gets SIGTERM if the server dies; stopping it ends its whole group, so the engine's own children (vLLM's
+engine core, SGLang's scheduler) go with it (:class:`elastic_kv_serve.process.ChildProcess`).
 
 How each engine is started, probed, put to sleep and woken: :mod:`elastic_kv_serve.kinds`.
 """
@@ -14,32 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
 import httpx
 from elastic_kv.host import ENV_HOST_ARENA
 
 from elastic_kv_serve.config import ModelConfig
 from elastic_kv_serve.kinds import SleepMode, kind_of
+from elastic_kv_serve.process import ChildProcess
 
 __all__ = ["EngineDied", "EngineProcess", "EngineStartError", "cause_in_log", "engine_env", "free_port"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
@@ -121,22 +116,16 @@ def engine_env(
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class EngineProcess:
+class EngineProcess(ChildProcess):
     """One running engine: its process, port and log. Built by :meth:`spawn`."""
 
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    started_at: float
-    health_path: str
-    _log: IO[bytes]
+    def __init__(
+        self, name: str, argv: list[str], env: Mapping[str, str], log_path: Path, port: int, health_path: str
+    ) -> None:
+        super().__init__(argv, env, log_path)
+        self.name = name
+        self.port = port
+        self.health_path = health_path
 
     @classmethod
     def spawn(
@@ -146,41 +135,19 @@ class EngineProcess:
         (appended: restarts add to the same log)."""
         port = free_port()
         kind = kind_of(model)
-        argv = kind.argv(model, port, sleep_mode)
-        log_path = log_dir / f"{model.pool_name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 -- closed in _close_log once the process is gone
-        log.write(f"\n==== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
-        log.flush()
-        env = {**env, **kind.extra_env(sleep_mode)}
         logger.info("starting %s (%s) on port %d", model.name, model.engine, port)
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-            preexec_fn=_die_with_parent,  # prctl only
+        return cls(
+            model.name,
+            kind.argv(model, port, sleep_mode),
+            {**env, **kind.extra_env(sleep_mode)},
+            log_dir / f"{model.pool_name}.log",
+            port,
+            kind.health_path(model),
         )
-        return cls(model.name, proc, port, log_path, time.monotonic(), kind.health_path(model), log)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     async def wait_healthy(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         """Return once ``GET /health`` answers 200; ``EngineStartError`` if the process exits or times out."""
@@ -236,26 +203,3 @@ class EngineProcess:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                     await task
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-    async def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM the engine (which shuts its own children down and closes its pools), then SIGKILL what is
-        left of its process group, after ``timeout_s`` at most; the exit status."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while self.alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-        self.kill()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL whatever is left of the process group and reap the engine (idempotent)."""
-        self._signal_group(signal.SIGKILL)
-        if self.proc.returncode is None:
-            self.proc.wait()
-        self._log.close()

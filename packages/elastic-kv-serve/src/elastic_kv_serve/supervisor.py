@@ -194,7 +194,7 @@ class Supervisor:
 
         async def stop(rt: ModelRuntime) -> None:
             if rt.engine is not None:
-                await rt.engine.stop()
+                await rt.engine.stop_async()
                 rt.engine = None
             rt.set_state(State.STOPPED)
 
@@ -538,7 +538,7 @@ class Supervisor:
                 if died:  # a server whose engine died may wait for its clients before it exits
                     rt.engine.kill()
                 else:
-                    await rt.engine.stop()
+                    await rt.engine.stop_async()
                 rt.engine = None
                 rt.sleep_level = None
                 await self._reclaim()
