@@ -27,7 +27,7 @@ def _script() -> Any:
     return script
 
 
-def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_script(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *SMALL, "--out", str(tmp_path), *extra],
         capture_output=True,
@@ -44,7 +44,7 @@ def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_elastic_against_native(tmp_path: Path) -> None:
     # --swap: elastic in the slot that starts second (the slot mapping itself is checked below).
-    done = _run(tmp_path, "--swap")
+    done = run_script(tmp_path, "--swap")
     out = done.stdout
     assert "slots: elastic in B, native in A" in out
     assert "greedy outputs: EQUAL" in out
@@ -62,15 +62,6 @@ def test_elastic_against_native(tmp_path: Path) -> None:
     # progress as it goes, so that a run cut short by a time limit still says how far it got
     assert "slot A (native) ready" in done.stderr and "slot B (elastic) ready" in done.stderr
     assert "round 1/1: native" in done.stderr
-
-
-@pytest.mark.slow
-def test_calibration_runs_two_engines_of_one_backend(tmp_path: Path) -> None:
-    # The elastic A/A run; which backend each slot gets under --calibrate is checked without engines below.
-    out = _run(tmp_path, "--calibrate", "elastic").stdout
-    assert out.startswith("A/A (two elastic engines): ratio slot A / slot B: median"), out
-    logs = sorted(p.name for p in tmp_path.glob("gpu_vllm_*.log"))
-    assert logs == ["gpu_vllm_A_elastic.log", "gpu_vllm_B_elastic.log"]
 
 
 def test_slots_run_the_backends_asked_for() -> None:
