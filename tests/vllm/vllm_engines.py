@@ -260,18 +260,24 @@ def check_device_charged_for_every_rank(llm: Any, registry_dir: Path, pool: str)
     def settled() -> bool:
         infos = llm.collective_rpc("elastic_kv_info")
         (device,) = Registry(registry_dir).devices()
-        seen.update(infos=infos, device=device)
-        return len({i["mapped_bytes"] for i in infos}) == 1 and device.charged_bytes == sum(
-            i["mapped_bytes"] for i in infos
+        snapshot = pool_snapshot(registry_dir, pool)
+        seen.update(infos=infos, device=device, snapshot=snapshot)
+        return (
+            len({i["mapped_bytes"] for i in infos}) == 1
+            and device.charged_bytes == sum(i["mapped_bytes"] for i in infos)
+            and snapshot is not None
+            and snapshot.mapped_bytes == device.charged_bytes
         )
 
-    assert wait_for(settled)
-    # Assert on the readings that settled: a second reading could see a rank's reserve move.
-    device, infos = seen["device"], seen["infos"]
+    settled_in_time = wait_for(settled)
+    # Assert on the readings that settled together: a later reading could see a rank's reserve move, and
+    # the published snapshot follows the charge by up to its publishing interval.
+    device, infos, snapshot = seen["device"], seen["infos"], seen["snapshot"]
+    assert settled_in_time, f"charge {device.charged_bytes}, ranks {infos}, snapshot {snapshot}"
     assert device.device == "cpu" and device.pools == (pool,)
     assert device.charged_bytes == len(infos) * infos[0]["mapped_bytes"] > 0
     assert device.total_bytes > 0  # percentages of the device work for vLLM pools too
-    assert pool_snapshot(registry_dir, pool).mapped_bytes == device.charged_bytes
+    assert snapshot.mapped_bytes == device.charged_bytes
 
 
 @contextmanager
