@@ -63,10 +63,6 @@ class ChildProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.poll()
-
     def alive(self) -> bool:
         return self.proc.poll() is None
 
