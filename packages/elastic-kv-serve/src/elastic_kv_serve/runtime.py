@@ -144,6 +144,11 @@ class ModelRuntime:
         return self.in_flight > 0 or self.queued > 0
 
     @property
+    def level_one_bytes(self) -> int:
+        """What a level-1 sleep of it takes of the host arena: its last one's, else its weights'."""
+        return self.host_need_bytes or self.weights_bytes
+
+    @property
     def footprint_bytes(self) -> int:
         """What it holds (or has room reserved for) on the device now: its weights, plus its KV."""
         return (self.weights_bytes if self.has_room else 0) + self.kv_bytes

@@ -448,7 +448,7 @@ class Supervisor:
             and rt.engine is not None
             and rt.name not in self._unsuspendable
             and kind.can_suspend(rt.config)
-            and self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes) != 0
+            and self.host.level_for(kind, rt.config, rt.level_one_bytes) != 0
         )
 
     def _awake_before(self, rt: ModelRuntime, wait: bool) -> float:
@@ -475,7 +475,7 @@ class Supervisor:
         kind = kind_of(rt.config)
         async with self._host_lock:
             await self._arena_room_for(rt)
-            level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
+            level = self.host.level_for(kind, rt.config, rt.level_one_bytes)
             if not level:  # the host arena filled since the choice: a stop would lose its requests
                 rt.set_state(State.AWAKE)
                 return
@@ -524,7 +524,7 @@ class Supervisor:
             died = False
             if rt.sleep_mode == "engine" and rt.engine is not None:
                 await self._arena_room_for(rt)
-                level = self.host.level_for(kind, rt.config, rt.host_need_bytes or rt.weights_bytes)
+                level = self.host.level_for(kind, rt.config, rt.level_one_bytes)
             try:
                 if level and rt.engine is not None:
                     sleep = kind.sleep(self.client, rt.engine.url, rt.config, level)
@@ -565,7 +565,7 @@ class Supervisor:
         to level 2 until it fits. A model whose wake or start is under way is left alone; an engine that
         refuses is not asked again until it restarts."""
         kind = kind_of(rt.config)
-        need = rt.host_need_bytes or rt.weights_bytes
+        need = rt.level_one_bytes
         if not kind.uses_arena or 1 not in kind.levels_for(rt.config):
             return
         if self.host.level_for(kind, rt.config, need) == 1:
