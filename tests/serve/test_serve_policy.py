@@ -183,6 +183,28 @@ def test_a_random_weights_vllm_model_is_never_demoted() -> None:
     assert CommandKind().can_demote(ModelConfig(**command, sleep_path="/s", wake_path="/w", demote_path="/d"))
 
 
+def test_a_vllm_engine_says_what_its_level_1_sleep_takes_of_the_arena_once_it_is_up() -> None:
+    # vLLM's dev-mode /collective_rpc answers one result a worker; each rank sleeps its own weights.
+    import httpx
+    from elastic_kv_serve.kinds import VllmKind
+
+    asked: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.content)
+        ranks = [{"pinned_bytes": 8, "seconds": 0.1, "level_one_bytes": n} for n in (3 << 30, 5 << 30)]
+        return httpx.Response(200, json={"results": ranks})
+
+    async def main() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            with_arena = await VllmKind().after_start(client, "http://engine", arena=True)
+            without = await VllmKind().after_start(client, "http://engine", arena=False)
+            return with_arena, without
+
+    assert asyncio.run(main()) == (8 << 30, 0)
+    assert asked == [b'{"method":"elastic_kv_pin_host"}']  # only with an arena: nothing to pin or plan
+
+
 def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
     assert kv_share(30 * MiB, 3) == 10 * MiB
     assert kv_share(10, 3) == 3  # whole bytes, rounded down

@@ -103,7 +103,8 @@ def test_the_whole_arena_pinned_once_then_sleep_and_wake(engine: dict[str, Any])
     (pinned,) = llm.collective_rpc("elastic_kv_pin_host")
     assert pinned["pinned_bytes"] == arena.size
     llm.sleep(level=1)
-    assert len(arena.extents()) == 1
+    (extent,) = arena.extents()
+    assert extent.size == pinned["level_one_bytes"] > 0  # what elastic-kv serve plans the arena with
     llm.wake_up()
     assert arena.extents() == [] and _generate(llm) == engine["tokens"]
 

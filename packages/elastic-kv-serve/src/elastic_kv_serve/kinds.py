@@ -9,7 +9,8 @@ One :class:`EngineKind` per ``engine`` value of the config:
   back. Level 2: ``POST /sleep?level=2`` drops them; waking is vLLM's documented sequence ``/wake_up?tags=
   weights``, ``/collective_rpc`` ``reload_weights`` (from the checkpoint: not for ``--load-format dummy``,
   whose sleeps are level 1 or a stop), ``/wake_up?tags=kv_cache``. Once it serves, ``/collective_rpc``
-  ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no sleep pays for pinning.
+  ``elastic_kv_pin_host`` page-locks the arena in its worker, so that no sleep pays for pinning, and says how
+  much of the arena its level-1 sleep will take.
   ``/collective_rpc`` ``elastic_kv_demote`` turns a level-1 sleep into a level-2 one (where level 2 can
   reload the weights), giving its arena extent back. A
   suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler, preempts the running
@@ -55,9 +56,10 @@ def flag_values(args: list[str], flag: str) -> list[str]:
     return out
 
 
-async def _post(client: httpx.AsyncClient, url: str, json: Any = None) -> None:
+async def _post(client: httpx.AsyncClient, url: str, json: Any = None) -> httpx.Response:
     reply = await client.post(url, json=json, timeout=600.0)
     reply.raise_for_status()
+    return reply
 
 
 class EngineKind:
@@ -103,8 +105,10 @@ class EngineKind:
     def health_path(self, model: ModelConfig) -> str:
         return "/health"
 
-    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
-        """Once the engine answers its health check (before it serves)."""
+    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> int:
+        """Once the engine answers its health check (before it serves). Returns the bytes of the host arena
+        its level-1 sleep will take, where the engine says (0: not known until it sleeps)."""
+        return 0
 
     def can_suspend(self, model: ModelConfig) -> bool:
         """Whether ``model``'s engine can sleep while it serves, keeping its requests for its wake."""
@@ -152,9 +156,12 @@ class VllmKind(EngineKind):
         # reload_weights reads a checkpoint: random weights (--load-format dummy) cannot be reloaded
         return (1,) if "dummy" in flag_values(model.args, "--load-format") else self.levels
 
-    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> None:
-        if arena:
-            await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_pin_host"})
+    async def after_start(self, client: httpx.AsyncClient, url: str, arena: bool) -> int:
+        if not arena:
+            return 0
+        reply = await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_pin_host"})
+        # one result a worker (tensor- and pipeline-parallel ranks each sleep their own weights)
+        return sum(int(r.get("level_one_bytes", 0)) for r in reply.json().get("results", []) if r)
 
     def can_suspend(self, model: ModelConfig) -> bool:
         return True

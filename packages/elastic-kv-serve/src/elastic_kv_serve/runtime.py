@@ -126,7 +126,9 @@ class ModelRuntime:
     # The level of the sleep it is in: 1 or 2 (its engine sleeps), None (awake, or its process is gone).
     sleep_level: int | None = None
     host_bytes: int = 0  # host memory its asleep weights take (read from the host arena)
-    host_need_bytes: int = 0  # what its last level-1 sleep took of the arena (0: not measured yet)
+    # what its level-1 sleep takes of the arena: the engine's word once it is up, then its last sleep's (0:
+    # not known yet)
+    host_need_bytes: int = 0
     awake_since: float = math.inf  # monotonic time it last became awake (inf: not awake yet)
     # Suspended: asleep with the requests it was serving kept in its engine (they resume when it wakes).
     suspended: bool = False
@@ -145,7 +147,7 @@ class ModelRuntime:
 
     @property
     def level_one_bytes(self) -> int:
-        """What a level-1 sleep of it takes of the host arena: its last one's, else its weights'."""
+        """What a level-1 sleep of it takes of the host arena: as measured or told, else its weights'."""
         return self.host_need_bytes or self.weights_bytes
 
     @property

@@ -358,7 +358,8 @@ class Supervisor:
             try:
                 await rt.engine.wait_healthy(self.client, self.config.server.start_timeout_s)
                 if rt.sleep_mode == "engine":
-                    await kind_of(rt.config).after_start(self.client, rt.engine.url, arena is not None)
+                    need = await kind_of(rt.config).after_start(self.client, rt.engine.url, arena is not None)
+                    rt.host_need_bytes = need or rt.host_need_bytes
             except BaseException:
                 rt.engine.kill()
                 await self._reclaim()

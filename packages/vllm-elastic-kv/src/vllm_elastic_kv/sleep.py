@@ -46,7 +46,14 @@ from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 
 from vllm_elastic_kv import compat
 
-__all__ = ["ElasticSleepBackend", "PinnedArena", "host_copies", "process_arena", "set_owner"]
+__all__ = [
+    "ElasticSleepBackend",
+    "PinnedArena",
+    "host_copies",
+    "level_one_bytes",
+    "process_arena",
+    "set_owner",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +137,22 @@ def host_copies(
     return out
 
 
+def _level_one_allocations(tags: Iterable[str]) -> tuple[Any, list[Any]]:
+    """vLLM's allocator and the allocations under ``tags`` a level-1 sleep would copy to host memory now."""
+    from vllm.device_allocator import get_mem_allocator_instance
+
+    allocator: Any = get_mem_allocator_instance()  # CuMemAllocator on CUDA (checked next)
+    compat.check_instance(allocator, "vllm.device_allocator.cumem.CuMemAllocator")
+    allocations = allocator.pointer_to_data.values()
+    return allocator, [d for d in allocations if d.tag in tags and not d.is_asleep]
+
+
+def level_one_bytes() -> int:
+    """Bytes of host memory a level-1 sleep of this process would take now (its weights, as it serves)."""
+    tags = compat.support_for(compat.installed_version()).sleep_offload_tags
+    return sum(d.handle[1] for d in _level_one_allocations(tags)[1])
+
+
 def set_owner(name: str | None) -> None:
     """Name this process's arena extents after the engine's pool (the worker calls it with the pool name of
     ``additional_config`` or ``ELASTIC_KV_POOL_NAME``, whichever configured it): ``elastic-kv status`` and
@@ -179,13 +202,9 @@ class ElasticSleepBackend(CuMemBackend):
         if not self._level_one(args, kwargs) or self._arena is None or self._extent is not None:
             super().suspend(*args, **kwargs)
             return
-        from vllm.device_allocator import get_mem_allocator_instance
         from vllm.device_allocator.cumem import libcudart
 
-        allocator: Any = get_mem_allocator_instance()  # CuMemAllocator on CUDA (checked next)
-        compat.check_instance(allocator, "vllm.device_allocator.cumem.CuMemAllocator")
-        allocations = allocator.pointer_to_data.values()
-        kept = [d for d in allocations if d.tag in self._offload_tags and not d.is_asleep]
+        allocator, kept = _level_one_allocations(self._offload_tags)
         need = sum(d.handle[1] for d in kept)
         extent = self._arena.arena.take(need, self._owner) if need else None
         if extent is None:

@@ -120,15 +120,21 @@ class ElasticWorkerMixin:
     def elastic_kv_pin_host(self) -> dict[str, Any]:
         """Page-lock the whole host arena in this worker (``collective_rpc("elastic_kv_pin_host")``, which
         ``elastic-kv serve`` sends once an engine is up), so that no later sleep pays for pinning. Returns
-        the bytes pinned and the seconds it took; nothing without a host arena."""
+        the bytes pinned, the seconds it took and the bytes of the arena a level-1 sleep of this worker
+        would take (``level_one_bytes``: its weights, which ``elastic-kv serve`` plans the arena with); all
+        0 without a host arena."""
         path = PluginConfig.from_vllm_config(self.vllm_config, os.environ).elastic.host_arena
         if path is None:
-            return {"pinned_bytes": 0, "seconds": 0.0}
-        from vllm_elastic_kv.sleep import process_arena
+            return {"pinned_bytes": 0, "seconds": 0.0, "level_one_bytes": 0}
+        from vllm_elastic_kv.sleep import level_one_bytes, process_arena
 
         pinned = process_arena(path)
         seconds = pinned.pin_all()
-        return {"pinned_bytes": pinned.pinned_bytes, "seconds": round(seconds, 3)}
+        return {
+            "pinned_bytes": pinned.pinned_bytes,
+            "seconds": round(seconds, 3),
+            "level_one_bytes": level_one_bytes(),
+        }
 
     def elastic_kv_demote(self) -> dict[str, Any]:
         """Turn this engine's level-1 sleep in the host arena into a level-2 one
