@@ -28,7 +28,15 @@ from typing import Any
 
 from elastic_kv.sizes import format_bytes
 
-__all__ = ["Slo", "plot_memory", "prism_slo", "render_markdown", "summarize", "swap_times"]
+__all__ = [
+    "Slo",
+    "memory_demand",
+    "plot_memory",
+    "prism_slo",
+    "render_markdown",
+    "summarize",
+    "swap_times",
+]
 
 SETUP_TITLES = {
     "static": "static (native, fixed shares)",
@@ -130,6 +138,42 @@ def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]
     return out
 
 
+def memory_demand(
+    outcomes: Sequence[Mapping[str, Any]],
+    model_bytes: int,
+    kv_bytes_per_token: int,
+    tpot_s: float,
+    budget_bytes: int,
+    step_s: float = 0.5,
+) -> dict[str, Any]:
+    """What the trace asks of the device if every request were served as it arrives, as if alone: from its
+    arrival for ``output_tokens`` x ``tpot_s`` (the TPOT of a model serving alone), holding the KV of its
+    prompt and of the tokens generated so far, and its model's weights (``model_bytes``) resident while any
+    of its requests is. Returns the peak, the seconds during which that exceeds ``budget_bytes`` and the
+    requests arriving then: for those the device cannot serve everything in flight at once, whatever the
+    controller does -- some request waits or decodes slower. A property of the trace and the device, not
+    of the run (the outcomes give only arrivals and lengths)."""
+    spans = [
+        (o["arrival_s"], o["arrival_s"] + o["output_tokens"] * tpot_s, o["prompt_tokens"], o["model"])
+        for o in outcomes
+    ]
+
+    def need(t: float) -> int:
+        models, tokens = set(), 0.0
+        for start, end, prompt, model in spans:
+            if start <= t < end:
+                models.add(model)
+                tokens += prompt + (t - start) / tpot_s
+        return len(models) * model_bytes + int(tokens * kv_bytes_per_token)
+
+    end = max((e for _, e, _, _ in spans), default=0.0)
+    grid = [i * step_s for i in range(int(end / step_s) + 1)]
+    peak = max((need(t) for t in grid), default=0)
+    short = sum(step_s for t in grid if need(t) > budget_bytes)
+    arriving = sum(need(start) > budget_bytes for start, _, _, _ in spans)
+    return {"peak_bytes": peak, "short_s": round(short, 1), "requests_short": arriving}
+
+
 def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if x is None else f"{x * scale:.{digits}f}"
 
@@ -169,6 +213,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 f"{format_bytes(int(run.get('peak_kv_bytes', 0)))} |"
             )
         lines.append("")
+        lines += _demand_line(setups.get("sleep", {}), f"{load:g}", results.get("alone"))
         lines += _per_model_table(setups, f"{load:g}")
     names = list(setups)
     lines += ["## SLO attainment by load", "", "| load req/s | " + " | ".join(names) + " |"]
@@ -197,6 +242,25 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     if plots:
         lines += ["", "KV memory per model over time: " + ", ".join(f"`{p}`" for p in plots)]
     return "\n".join(lines) + "\n"
+
+
+def _demand_line(setup: Mapping[str, Any], key: str, alone: Mapping[str, Any] | None) -> list[str]:
+    """The sleep set-up's :func:`memory_demand` at one load, in words (nothing where the run lacks the
+    sizes, the budget or the TPOT served alone)."""
+    run = setup.get("loads", {}).get(key)
+    tpot = (alone or {}).get("tpot_p50_s")
+    if not run or not tpot or "model_bytes" not in setup:
+        return []
+    budget = setup["budget_bytes"]
+    d = memory_demand(run["outcomes"], setup["model_bytes"], setup["kv_bytes_per_token"], tpot, budget)
+    return [
+        f"Served as it arrives, as if alone (TPOT {tpot * 1000:.1f} ms), the trace would need up to "
+        f"{format_bytes(d['peak_bytes'])} (the weights of every model with a request in flight, and their "
+        f"KV) against the sleep set-up's budget of {format_bytes(budget)}; it needs more for "
+        f"{d['short_s']:g} s, in which {d['requests_short']} of {len(run['outcomes'])} requests arrive: "
+        "there some request must wait or decode slower, whatever the controller does.",
+        "",
+    ]
 
 
 def _per_model_table(setups: Mapping[str, Any], key: str) -> list[str]:

@@ -257,6 +257,7 @@ class SleepSetup:
         self.server: ServerProcess | None = None
         self.describe = ""
         self.weights_bytes = 0
+        self.budget_bytes = 0
         from elastic_kv_serve.config import pool_name_for
 
         self.pools = {pool_name_for(name): name for name in plan.names}
@@ -326,6 +327,7 @@ class SleepSetup:
         plan = self.plan
         port = free_port()
         text, budget = self.config(port)
+        self.budget_bytes = budget
         self.config_path.write_text(text)
         (plan.logs / "sleep-engines").mkdir(parents=True, exist_ok=True)
         awake = min(len(plan.names), budget // self.weights_bytes)
@@ -388,7 +390,15 @@ class SleepSetup:
 
     def info(self) -> dict[str, Any]:
         ready = None if self.server is None else round(self.server.ready_s or 0.0, 1)
-        info: dict[str, Any] = {"describe": self.describe, "config": self.config_path.name, "ready_s": ready}
+        info: dict[str, Any] = {
+            "describe": self.describe,
+            "config": self.config_path.name,
+            "ready_s": ready,
+            # what report.memory_demand weighs the trace with: the server's budget (weights and KV)
+            "budget_bytes": self.budget_bytes,
+            "model_bytes": self.weights_bytes,
+            "kv_bytes_per_token": self.plan.shape.kv_bytes_per_token,
+        }
         if self.server is not None and self.server.alive():
             try:
                 info["final_status"] = self.status()  # wakes, wake p50/p99, sleep mode per model

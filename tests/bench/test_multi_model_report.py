@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multimodel.report import Slo, prism_slo, render_markdown, summarize, swap_times
+from benchmarks.multimodel.report import (
+    Slo,
+    memory_demand,
+    prism_slo,
+    render_markdown,
+    summarize,
+    swap_times,
+)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_model.py"
 
@@ -105,6 +112,32 @@ def test_prism_slo_per_model_and_swap_times() -> None:
     text = render_markdown(results)
     assert "| sleep | 66.7 % | 33.3 % |" in text and "| a | 2 | 100 / 50 % |" in text
     assert "| swap (wake from level 1/2, room made included) | 1 | 0.90 | 0.90 | 0.90 |" in text
+
+
+def test_memory_demand_of_a_trace_served_as_it_arrives() -> None:
+    # 10 output tokens at 1 s each; 100 B of weights a model, 1 B of KV a token. a0 (model a, 5 prompt
+    # tokens) from 0 to 10 s, a1 (a, 5) from 2 s, b0 (b, 20) from 4 s: at 4 s a and b are in flight, KV
+    # (5 + 4) + (5 + 2) + 20 = 36 tokens, 236 B; the peak is at 9.5 s: 2 x 100 + (14.5 + 12.5 + 25.5) B.
+    rows = [_row(0, "a", 0.1, 1.0), _row(2, "a", 0.1, 1.0), _row(4, "b", 0.1, 1.0)]
+    for row, prompt in zip(rows, (5, 5, 20), strict=True):
+        row.update(output_tokens=10, prompt_tokens=prompt)
+    demand = memory_demand(rows, model_bytes=100, kv_bytes_per_token=1, tpot_s=1.0, budget_bytes=230)
+    assert demand["peak_bytes"] == 252
+    # over 230 B from 4 s (236 B) until a1 ends at 12 s (at 11.5 s: 200 + 14.5 + 27.5 B); b0 arrives in it
+    assert demand == {"peak_bytes": 252, "short_s": 8.0, "requests_short": 1}
+    assert memory_demand(rows, 100, 1, 1.0, budget_bytes=300)["requests_short"] == 0
+
+    results = {
+        "device": "cuda", "models": 2, "model_names": ["a", "b"], "trace": "t", "slo": "s",
+        "alone": {"tpot_p50_s": 1.0},
+        "setups": {"sleep": {"describe": "d", "budget_bytes": 230, "model_bytes": 100,
+                             "kv_bytes_per_token": 1,
+                             "loads": {"1": {"metrics": summarize(rows, Slo(10.0, 2.0), span_s=5.0),
+                                             "peak_kv_bytes": 0, "outcomes": rows}}}},
+    }  # fmt: skip
+    text = render_markdown(results)
+    assert "would need up to 252 B" in text and "budget of 230 B; it needs more for 8 s" in text, text
+    assert "in which 1 of 3 requests arrive" in text
 
 
 @pytest.mark.parametrize(
