@@ -76,6 +76,8 @@ def _backend(slot: str, args: argparse.Namespace) -> str:
     return "elastic" if slot == ("B" if args.swap else "A") else "native"
 
 
+GREEDY_TOKENS = 64  # per prompt of the greedy comparison
+
 ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -620,16 +622,19 @@ def _child(args: argparse.Namespace) -> None:
         while pool is not None and time.monotonic() < deadline:
             time.sleep(0.5)
             now = probe()
-            if now["charged"] == last["charged"] and now["used"] == last["used"]:
+            # the host's memory (--cpu-smoke) moves with every other process: the pool's charge only
+            if now["charged"] == last["charged"] and (args.cpu_smoke or now["used"] == last["used"]):
                 break
             last = now
         synchronize()
         return probe()
 
-    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=False)
+    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+    lengths = [1, 7, 15, 16, 17, 31, 64, 100, 255, 256, 257, 511, 700, 1000, 1500, 1900]
+    if args.cpu_smoke:  # checks the wiring, not the kernels: prompts up to just past two 128-token blocks
+        lengths = [n for n in lengths if n <= 257]
     varied = [
-        {"prompt_token_ids": [(5 * i + 3 * j) % 31999 + 1 for j in range(n)]}
-        for i, n in enumerate([1, 7, 15, 16, 17, 31, 64, 100, 255, 256, 257, 511, 700, 1000, 1500, 1900])
+        {"prompt_token_ids": [(5 * i + 3 * j) % 31999 + 1 for j in range(n)]} for i, n in enumerate(lengths)
     ]
     shared = [(11 * j) % 31999 + 1 for j in range(300)]
     varied += [
@@ -847,6 +852,19 @@ def _phases(native: dict[str, Any], elastic: dict[str, Any], keys: tuple[str, ..
     return ", ".join(f"{key} {_per_burst(native, key)} / {_per_burst(elastic, key)}" for key in keys)
 
 
+def _calibration_line(backend: str, ratios: list[float], a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The A/A result (``--calibrate``): slot A's throughput over slot B's, by round and over the whole run,
+    and where each slot's engine thread spent its time per burst (``a``, ``b``: the slots' reports)."""
+    listed = ", ".join(f"{x:.3f}" for x in ratios)
+    total = b["burst_seconds"] / a["burst_seconds"]  # same tokens on both: a throughput ratio
+    return (
+        f"A/A (two {backend} engines): ratio slot A / slot B: median {statistics.median(ratios):.4f}, "
+        f"mean {statistics.fmean(ratios):.4f}, total time {total:.4f} ({listed}); engine-thread CPU "
+        f"{a['burst_thread_cpu_s']} / {b['burst_thread_cpu_s']} s; per burst "
+        + _phases(a, b, ("schedule", "execute", "execute: sample", "update"))
+    )
+
+
 def _other(result: dict[str, Any]) -> str:
     """Milliseconds per burst outside the engine core's phases (LLM.generate's own work: inputs, outputs)."""
     phases = sum(result["timeline"][k]["s"] for k in ("schedule", "execute", "execute: sample", "update"))
@@ -994,19 +1012,13 @@ def main() -> None:
     native_engine.close()
 
     ratios = [e / n for n, e in rounds]
+    if args.calibrate:
+        # Under --calibrate both slots run one backend; `elastic_engine` is slot A (no --swap).
+        print(_calibration_line(args.calibrate, ratios, elastic, native), flush=True)
+        return
     ratio, mean = statistics.median(ratios), statistics.fmean(ratios)
     total = native["burst_seconds"] / elastic["burst_seconds"]  # same tokens on both: a throughput ratio
     listed = ", ".join(f"{x:.3f}" for x in ratios)
-    if args.calibrate:
-        print(
-            f"A/A (two {args.calibrate} engines): ratio slot A / slot B: median {ratio:.4f}, "
-            f"mean {mean:.4f}, total time {total:.4f} "
-            f"({listed}); engine-thread CPU {native['burst_thread_cpu_s']} / "
-            f"{elastic['burst_thread_cpu_s']} s; per burst "
-            + _phases(native, elastic, ("schedule", "execute", "execute: sample", "update")),
-            flush=True,
-        )
-        return
     same = native["tokens"] == elastic["tokens"]
     # The spread of the rounds, as a 95 % interval of their mean (normal approximation): a ratio goal
     # closer to the median than this is within the machine's noise.
@@ -1024,7 +1036,8 @@ def main() -> None:
         checks["throughput ratio >= 0.99"] = ratio >= 0.99
     lines = [
         f"vLLM {elastic['vllm']} on {elastic['device']}",
-        f"greedy outputs: {'EQUAL' if same else 'DIFFERENT'} ({len(native['tokens'])} prompts x 64 tokens)",
+        f"greedy outputs: {'EQUAL' if same else 'DIFFERENT'} "
+        f"({len(native['tokens'])} prompts x {GREEDY_TOKENS} tokens)",
         "GPU memory each engine uses (driver free-memory readings; the other engine idle meanwhile):",
         f"  native : idle {_gib(native['used_idle_before_burst'])}, max in a burst "
         f"{_gib(native['used_max_during'])}, after {_gib(native['used_after'])}",

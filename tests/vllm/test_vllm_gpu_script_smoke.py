@@ -5,6 +5,7 @@ children, the plugin's registration, the pool and rank probes, the A/A mode) fro
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,17 @@ def run_script(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One run of the protocol, --swap: elastic in the slot that starts second (the slot mapping itself is
+    checked without engines below)."""
+    out = tmp_path_factory.mktemp("gpu_vllm")
+    return out, run_script(out, "--swap")
+
+
 @pytest.mark.slow
-def test_elastic_against_native(tmp_path: Path) -> None:
-    # --swap: elastic in the slot that starts second (the slot mapping itself is checked below).
-    done = run_script(tmp_path, "--swap")
+def test_elastic_against_native(smoke: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    out_dir, done = smoke
     out = done.stdout
     assert "slots: elastic in B, native in A" in out
     assert "greedy outputs: EQUAL" in out
@@ -58,10 +66,33 @@ def test_elastic_against_native(tmp_path: Path) -> None:
     assert "elastic: rank applies requests (off the engine thread)" in out
     assert "elastic: arrivals mapped ahead (in add_request)" in out
     assert "by start in the burst: 0-0.1 s" in out  # the scheduler's waits, by when in the burst
-    assert (tmp_path / "gpu_vllm.json").exists()
     # progress as it goes, so that a run cut short by a time limit still says how far it got
     assert "slot A (native) ready" in done.stderr and "slot B (elastic) ready" in done.stderr
     assert "round 1/1: native" in done.stderr
+    # one log a slot, named by slot and backend (under --calibrate both slots run one backend)
+    assert sorted(p.name for p in out_dir.glob("gpu_vllm_*.log")) == [
+        "gpu_vllm_A_native.log",
+        "gpu_vllm_B_elastic.log",
+    ]
+
+
+@pytest.mark.slow
+def test_the_a_a_line_reads_slot_a_over_slot_b(smoke: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    # --calibrate runs the protocol above with one backend in both slots and prints this line instead of
+    # the checks; here from the two engines' real reports (slot A native, slot B elastic).
+    out_dir, _ = smoke
+    reports = json.loads((out_dir / "gpu_vllm.json").read_text())
+    a, b = reports["native"], reports["elastic"]
+    ratios = [x / y for x, y in zip(a["burst_tokens_per_s_each"], b["burst_tokens_per_s_each"], strict=True)]
+    line = _script()._calibration_line("native", ratios, a, b)
+    total = b["burst_seconds"] / a["burst_seconds"]
+    assert line.startswith(
+        f"A/A (two native engines): ratio slot A / slot B: median {ratios[0]:.4f}, mean {ratios[0]:.4f}, "
+        f"total time {total:.4f} ({ratios[0]:.3f}); engine-thread CPU {a['burst_thread_cpu_s']} / "
+        f"{b['burst_thread_cpu_s']} s; per burst schedule "
+    ), line
+    for phase in ("execute", "execute: sample", "update"):
+        assert f", {phase} " in line
 
 
 def test_slots_run_the_backends_asked_for() -> None:
