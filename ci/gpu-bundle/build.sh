@@ -4,8 +4,8 @@
 #
 #   bash ci/gpu-bundle/build.sh [OUT]     # OUT defaults to <repo>/.gpucarry (git-ignored)
 #
-# Writes OUT/vllm-a/bundle.tar.xz.part0 and OUT/vllm-b/{bundle.tar.xz.part1,SHA256SUMS,unpack.sh}: each part
-# stays under the 64 MiB that one device call carries. About 4 minutes on 2 cores (mostly xz).
+# Writes OUT/vllm-a/bundle.tar.xz.part0, OUT/vllm-b/{bundle.tar.xz.part1,SHA256SUMS,unpack.sh} and
+# OUT/vllm-moe/ (vLLM's MoE kernels, optional): each stays under the 64 MiB that one device call carries. About 4 minutes on 2 cores (mostly xz).
 #
 # Why vLLM 0.26.0: it is the newest vLLM release built against torch 2.11, which is what the GPU image has;
 # later releases pin torch 2.13/2.14 and newer CUDA libraries than the image provides.
@@ -47,21 +47,29 @@ PIP_CONSTRAINT='' python3 -m pip install -q --root-user-action=ignore --no-index
     "$work"/wheels/*.whl 2> >(grep -v -e "is ignored: it is neither" >&2)
 
 # Drop what a dense model on an H200 never loads, to fit two device calls: FlashAttention-2 kernels (Hopper
-# runs FlashAttention-3), the MoE kernels, the Rust front end, DeepGEMM builds for other Pythons, console scripts.
-(cd "$work/site" && rm -rf bin vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so \
+# runs FlashAttention-3), the Rust front end, DeepGEMM builds for other Pythons, console scripts. The MoE
+# kernels (the MoE, MLA and GDN families' test models are MoE models) go to a part of their own, carried in
+# a third call only by the runs that need them.
+moe=vllm/_moe_C_stable_libtorch.abi3.so
+mkdir -p "$work/moe"
+xz -9e -T2 -c "$work/site/$moe" >"$work/moe/$(basename "$moe").xz"
+(cd "$work/site" && rm -rf bin vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$moe" \
     vllm/vllm-rs vllm/third_party/deep_gemm/_C.cpython-3{10,11,13,14}-x86_64-linux-gnu.so)
 
 log "compressing (xz -9e, the slow part)"
 tar -C "$work/site" --owner=0 --group=0 --sort=name -cf - . | xz -9e -T2 >"$work/bundle.tar.xz"
 (cd "$work" && split -b 60M -d -a 1 bundle.tar.xz bundle.tar.xz.part && sha256sum bundle.tar.xz.part* >SHA256SUMS)
+(cd "$work/moe" && sha256sum ./*.xz >SHA256SUMS)
 parts=("$work"/bundle.tar.xz.part*)
 if [ "${#parts[@]}" -ne 2 ]; then
     log "the bundle splits into ${#parts[@]} parts, not 2: trim more, or add a device call to README.md"
     exit 1
 fi
-rm -rf "$out/vllm-a" "$out/vllm-b"
+rm -rf "$out/vllm-a" "$out/vllm-b" "$out/vllm-moe"
 mkdir -p "$out/vllm-a" "$out/vllm-b"
 cp "$work/bundle.tar.xz.part0" "$out/vllm-a/"
 cp "$work/bundle.tar.xz.part1" "$work/SHA256SUMS" "$here/unpack.sh" "$out/vllm-b/"
-du -sh "$out/vllm-a" "$out/vllm-b"
-log "done: carry $out/vllm-a in one device call, then $out/vllm-b in the next (ci/gpu-bundle/README.md)"
+cp -r "$work/moe" "$out/vllm-moe"
+du -sh "$out/vllm-a" "$out/vllm-b" "$out/vllm-moe"
+log "done: carry $out/vllm-a in one device call, then $out/vllm-b in the next (ci/gpu-bundle/README.md);"
+log "  for MoE models, $out/vllm-moe in a call between them"

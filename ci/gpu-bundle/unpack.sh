@@ -21,6 +21,12 @@ mkdir -p "$site"
 cat "$parts/bundle.tar.xz.part0" "$parts/bundle.tar.xz.part1" | python3 -c '
 import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$site"
+# vLLM's MoE kernels, where a call before this one left them in /tmp/vparts/moe (README.md: MoE models).
+if [ -f "$parts/moe/SHA256SUMS" ]; then
+    (cd "$parts/moe" && sha256sum --quiet -c SHA256SUMS)
+    for kernel in "$parts"/moe/*.xz; do xz -dc "$kernel" >"$site/vllm/$(basename "$kernel" .xz)"; done
+    echo "unpack: with vLLM's MoE kernels"
+fi
 # FlashInfer is not in the bundle: vLLM must not pick its sampler.
 PYTHONPATH="$site" VLLM_USE_FLASHINFER_SAMPLER=0 python3 -c '
 import torch, vllm
