@@ -46,8 +46,8 @@ groups=(
     "dataplane|68|cuda|900|tests/dataplane"     # 3 more skip on CUDA by design: budget tests of the host backend
     "ledger|2|cuda|600|tests/ledger/test_ledger_gpu.py"
     "vllm-zeroing|5|cuda|600|tests/vllm/test_vllm_zeroing_gpu.py"
-    # vllm-engine: tiny, gptoss, mla, gdn, ngram (about 4 minutes each; gptoss needs vLLM's MoE kernels,
-    # which ci/gpu-bundle/ leaves out to fit two device calls)
+    # vllm-engine: tiny, gptoss, mla, gdn, ngram (2-4 minutes each; gptoss, mla and gdn need vLLM's MoE
+    # kernels: with ci/gpu-bundle/, carry its MoE part too)
     "vllm-engine|5|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
     "vllm-sleep|4|cuda,vllm|600|tests/vllm/test_vllm_sleep_gpu.py"   # sleep mode into the host arena
     "vllm-limit|1|cuda,vllm|600|tests/vllm/test_vllm_limit_gpu.py"   # a limit's drain, async scheduling

@@ -24,6 +24,7 @@ offline=(   # what an offline LLM(...) imports beyond the image
     starlette==1.10.0 partial-json-parser==0.2.1.1.post7 pydantic==2.14.4 pydantic-core==2.50.5
     annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
     depyf==0.20.0 astor==0.8.1 dill==0.4.1 setproctitle==1.3.8 blake3==1.0.11
+    compressed-tensors==0.17.0 loguru==0.7.3   # the GDN layer's quantization imports (Qwen3-Next)
 )
 server=(    # what `python -m vllm.entrypoints.openai.api_server` imports on top (vLLM 0.26's entrypoints/):
     uvicorn==0.54.0 h11==0.16.0 click==8.5.1            # entrypoints/launcher.py (uvicorn's h11 protocol)
