@@ -121,6 +121,11 @@ def test_sleep_setup_wakes_the_sleeping_model(run: tuple[Path, subprocess.Comple
     assert wakes["m1"]["wakes"] >= 1
     config = (out / "models.toml").read_text()
     assert "[[models]]" in config and 'name = "m1"' in config and "idle_sleep_s = 5" in config
+    # what the trace asks of the device served as it arrives, against this set-up's budget (each model's
+    # "weights" on the CPU hold the KV total, so two models in flight never fit the budget of one)
+    assert sleep["budget_bytes"] > 0 and sleep["model_bytes"] > 0 and sleep["kv_bytes_per_token"] > 0
+    report = (out / "report.md").read_text()
+    assert "Served as it arrives, as if alone" in report and "requests arrive" in report
 
 
 def test_nothing_is_left_running(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
