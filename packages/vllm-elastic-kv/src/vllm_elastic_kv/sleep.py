@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from elastic_kv.config import ElasticConfig
+from elastic_kv.errors import ConfigError
 from elastic_kv.host import Extent, HostArena
 from elastic_kv.sizes import format_bytes
 from vllm.device_allocator.sleep_mode_backend import CuMemBackend
@@ -148,9 +149,14 @@ def _level_one_allocations(tags: Iterable[str]) -> tuple[Any, list[Any]]:
 
 
 def level_one_bytes() -> int:
-    """Bytes of host memory a level-1 sleep of this process would take now (its weights, as it serves)."""
+    """Bytes of host memory a level-1 sleep of this process would take now (its weights, as it serves); 0
+    where vLLM's sleep-mode allocator is not the ``CuMemAllocator`` this backend reads (where the plugin
+    leaves sleeping to vLLM's own backend, and the size is known after the first sleep)."""
     tags = compat.support_for(compat.installed_version()).sleep_offload_tags
-    return sum(d.handle[1] for d in _level_one_allocations(tags)[1])
+    try:
+        return sum(d.handle[1] for d in _level_one_allocations(tags)[1])
+    except (ConfigError, RuntimeError):  # not a CuMemAllocator; no sleep-mode allocator on this platform
+        return 0
 
 
 def set_owner(name: str | None) -> None:
