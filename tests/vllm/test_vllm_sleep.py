@@ -201,3 +201,31 @@ class _PlainWorker(worker.ElasticWorkerMixin, _Plain):
 def test_a_demotion_is_refused_without_the_elastic_backend() -> None:
     with pytest.raises(RuntimeError, match="not asleep through the elastic sleep-mode backend"):
         _PlainWorker().elastic_kv_demote()
+
+
+def test_the_size_of_a_level_1_sleep_is_read_from_vllms_allocator_where_it_is_a_cumem_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What elastic_kv_pin_host reports to elastic-kv serve: the allocations under the offloaded tags that
+    # are awake, from vLLM's CuMemAllocator (its records: a handle's second field is the size).
+    from types import SimpleNamespace
+
+    import vllm.device_allocator as allocators
+    from vllm_elastic_kv import compat, sleep
+
+    tag = "weights"
+    assert tag in compat.support_for(compat.installed_version()).sleep_offload_tags
+
+    def record(tag: str, size: int, asleep: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(tag=tag, is_asleep=asleep, handle=(0, size, 0, 0))
+
+    cumem = SimpleNamespace(
+        pointer_to_data={1: record(tag, 3 << 20), 2: record(tag, 5 << 20), 3: record("kv_cache", 64 << 20),
+                         4: record(tag, 7 << 20, asleep=True)}
+    )  # fmt: skip
+    monkeypatch.setattr(allocators, "get_mem_allocator_instance", lambda: cumem)
+    assert sleep.level_one_bytes() == 8 << 20
+    monkeypatch.setattr(allocators, "get_mem_allocator_instance", lambda: SimpleNamespace())  # another kind
+    assert sleep.level_one_bytes() == 0
+    monkeypatch.undo()
+    assert sleep.level_one_bytes() == 0  # this CPU platform has no sleep-mode allocator
