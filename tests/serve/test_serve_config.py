@@ -92,6 +92,8 @@ def test_server_defaults_apply() -> None:
         ({"server": {"kv_headroom": "-1M"}, "models": [{"name": "m", "model": "/m"}]}, "server.kv_headroom"),
         ({"server": {"kv_share_min": "2 parts"}, "models": [{"name": "m", "model": "/m"}]},
          "server.kv_share_min"),
+        ({"server": {"kv_share_min_weights": -0.5}, "models": [{"name": "m", "model": "/m"}]},
+         "server.kv_share_min_weights"),
         ({"server": {"pressure_idle_s": -1}, "models": [{"name": "m", "model": "/m"}]},
          "server.pressure_idle_s"),
         ({"server": {"start_parallel": 0}, "models": [{"name": "m", "model": "/m"}]},

@@ -386,6 +386,53 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
         srv.stop()
 
 
+def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp_path: Path) -> None:
+    """The set-up above, engines that keep their requests asleep, and ``kv_share_min_weights = 0.5``: a
+    three-way share (1.66 MiB each) is below half a model's 15 MiB of weights, so ``c`` wakes by suspending
+    the serving model awake longest instead of shrinking both; no share falls below the floor, every answer
+    is exact."""
+    (tmp_path / "s").mkdir()
+
+    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
+        model["command"] += ["--token-ms", "500"]
+        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    srv = ServeProcess(
+        tmp_path / "s",
+        {"budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
+         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": 3},
+        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+
+        def ask(model: str, n: int, kv: int) -> httpx.Response:
+            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(3) as pool:
+            long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:  # the budget is full
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            assert _text(pool.submit(ask, "c", 2, 0).result(timeout=60)) == _expected(tmp_path, "c", "c", 2)
+            assert time.monotonic() - t0 < 8.0  # a and b run about 20 s
+            status = srv.status()
+            suspended = [m for m in "ab" if _transitions(status, m, "suspend")]
+            assert len(suspended) == 1 and not any(long[m].done() for m in "ab"), status
+            # shares come only at or above the floor (b and c serving side by side: 10 MiB each)
+            limits = [status[m]["kv_limit_bytes"] for m in "abc"]
+            assert all(limit is None or limit >= 15 * MiB // 2 for limit in limits), limits
+            for m in "ab":
+                assert _text(long[m].result(timeout=90)) == _expected(tmp_path, m, m, 40)
+    finally:
+        srv.stop()
+
+
 def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
     """Three models of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a token;
     a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All three are

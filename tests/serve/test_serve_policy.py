@@ -205,6 +205,17 @@ def test_a_vllm_engine_says_what_its_level_1_sleep_takes_of_the_arena_once_it_is
     assert asked == [b'{"method":"elastic_kv_pin_host"}']  # only with an arena: nothing to pin or plan
 
 
+def test_a_share_floor_follows_the_largest_weights_where_asked() -> None:
+    from elastic_kv_serve.policy import share_floor
+
+    gib = 1 << 30
+    weights, idle = [16 * gib, 8 * gib], [gib // 4, gib // 2]
+    assert share_floor(gib, 0.0, weights, idle) == gib  # kv_share_min alone
+    assert share_floor(gib, 0.5, weights, idle) == 8 * gib  # half the largest weights
+    assert share_floor(gib, 0.01, weights, [3 * gib]) == 3 * gib  # never below what a model holds idle
+    assert share_floor(0, 0.5, [], []) == 0
+
+
 def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
     assert kv_share(30 * MiB, 3) == 10 * MiB
     assert kv_share(10, 3) == 3  # whole bytes, rounded down

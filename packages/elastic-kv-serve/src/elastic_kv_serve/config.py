@@ -27,6 +27,7 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     kv_headroom = "5%"          # of the budget: while a model serves and less is left, an idle one sleeps
     pressure_idle_s = 2         # ... once it has been idle this long (its own idle_sleep_s aside)
     kv_share_min = "2%"         # of the budget: the least KV share a serving model is cut to (else none)
+    kv_share_min_weights = 0    # ... and at least this times the largest weights of the models sharing
     suspend_busy = true         # more models serve than fit: a waking model may suspend a serving one
     min_awake_s = 5             # ... awake at least this long (its requests resume when it wakes again)
     max_suspend_s = 30          # a suspended model waits this long for room, then suspends one in turn
@@ -175,6 +176,7 @@ class ServerConfig(_Table):
     kv_headroom: Amount = Percent(5.0)
     pressure_idle_s: Seconds = 2.0
     kv_share_min: Amount = Percent(2.0)
+    kv_share_min_weights: Annotated[float, Field(ge=0.0, le=16.0)] = 0.0
     suspend_busy: bool = True
     min_awake_s: Seconds = 5.0
     max_suspend_s: PositiveSeconds = 30.0

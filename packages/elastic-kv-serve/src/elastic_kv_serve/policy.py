@@ -15,6 +15,10 @@ model waiting for room, gets an equal share of the KV room the budget leaves bes
 of the models that are not shared (idle, pinned), enforced as a pool limit. A model above its share drains
 to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
 waiting for room thus wakes in about the time its neighbours take to drain, not when one of them goes idle.
+A share has a floor (:func:`share_floor`): below it the models would rather take turns (suspension). The
+floor can follow the models' weights: each decode step of a model reads all of its weights whatever its
+batch, so models that share the device's memory bandwidth serve the most tokens with the fewest of them
+awake, each with KV for a large batch, rather than many awake with little KV each.
 
 Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
 its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
@@ -44,6 +48,7 @@ __all__ = [
     "fits",
     "kv_share",
     "pressure_victim",
+    "share_floor",
 ]
 
 
@@ -164,6 +169,13 @@ def pressure_victim(
         return None
     eligible = [c for c in candidates if not c.pinned and not c.busy and now - c.last_used >= min_idle_s]
     return min(eligible, key=lambda c: (c.priority, c.last_used), default=None)
+
+
+def share_floor(min_bytes: int, weights_ratio: float, weights: Iterable[int], idle: Iterable[int]) -> int:
+    """The least KV share the serving and waiting models may be cut to: ``min_bytes``, ``weights_ratio`` x
+    the largest of their ``weights``, and the most any of them holds ``idle`` (below that, cutting it makes no
+    room)."""
+    return max(min_bytes, int(weights_ratio * max(weights, default=0)), *idle)
 
 
 def kv_share(room_bytes: int, claimants: int) -> int:

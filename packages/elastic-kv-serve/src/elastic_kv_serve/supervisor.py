@@ -753,8 +753,13 @@ class Supervisor:
         room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
         share = policy.kv_share(room, len(shared) + len(waiting))
         # Below kv_share_min a model's own requests may not fit its share (two such models would wait for
-        # each other), below what a model holds idle it makes no room: wait for an idle neighbour.
-        floor = max(self.kv_share_min_bytes, *(r.idle_kv_bytes for r in [*shared, *waiting]))
+        # each other), below what a model holds idle it makes no room: wait for an idle neighbour, or take
+        # turns (suspension).
+        claimants = [*shared, *waiting]
+        floor = policy.share_floor(
+            self.kv_share_min_bytes, self.config.server.kv_share_min_weights,
+            (r.weights_bytes for r in claimants), (r.idle_kv_bytes for r in claimants),
+        )  # fmt: skip
         return shared, share if share >= floor else None
 
     def _shares_make_room(self, rt: ModelRuntime) -> bool:
