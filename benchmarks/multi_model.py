@@ -135,6 +135,19 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO:HI tokens, got {text!r}") from None
 
 
+def _serve_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for the sleep set-up's ``[server]`` table, VALUE read as TOML (``0.5``, ``"8G"``)."""
+    import tomllib
+
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.strip():
+            raise ValueError
+        return key.strip(), tomllib.loads(f"v = {value.strip()}")["v"]
+    except (ValueError, tomllib.TOMLDecodeError):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (a TOML value), got {text!r}") from None
+
+
 def _loads(text: str) -> list[float]:
     try:
         loads = [float(x) for x in text.split(",") if x.strip()]
@@ -178,6 +191,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--start-parallel", type=int, help="engines started at once (cpu 2, cuda 4; static on cuda: 1)"
     )
     p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 50%%)")
+    p.add_argument(
+        "--serve-option",
+        type=_serve_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sleep set-up: one more [server] setting of elastic-kv serve, e.g. kv_share_min_weights=0.5",
+    )
     p.add_argument(
         "--host-arena-dir", type=Path, help="sleep set-up: the arena's directory (/dev/shm if room)"
     )
@@ -286,6 +307,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         start_timeout_s=args.start_timeout,
         logs=logs,
         host_budget=args.host_budget,
+        serve_options=dict(args.serve_option),
         host_arena_dir=arena_dir,
         preload=args.preload,
     )

@@ -73,6 +73,7 @@ class Plan:
     start_timeout_s: float
     logs: Path
     host_budget: str | None = None  # sleep set-up: [server] host_budget (None: the server's default)
+    serve_options: dict[str, Any] = field(default_factory=dict)  # sleep set-up: more [server] settings
     host_arena_dir: Path | None = None  # sleep set-up: where the arena lives (None: the registry's dir)
     preload: bool = False  # sleep set-up: start every model at start-up
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -307,6 +308,7 @@ class SleepSetup:
             server["host_budget"] = plan.host_budget
         if plan.host_arena_dir is not None:
             server["host_arena_dir"] = str(plan.host_arena_dir)
+        server.update(plan.serve_options)
         lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
         for name in plan.names:
             model: dict[str, Any] = {
@@ -337,6 +339,7 @@ class SleepSetup:
             f"at most {awake} awake, idle_sleep_s {plan.idle_sleep_s:g}, start_parallel {plan.start_parallel}"
             + (", preload" if plan.preload else "")
             + (f", host_budget {plan.host_budget}" if plan.host_budget is not None else "")
+            + "".join(f", {k} {v}" for k, v in plan.serve_options.items())
         )
         argv = [sys.executable, "-m", "elastic_kv_serve", "serve", "--config", str(self.config_path)]
         self.server = ServerProcess(

@@ -146,6 +146,7 @@ def test_memory_demand_of_a_trace_served_as_it_arrives() -> None:
         (["--setups", "static,bogus"], "--setups: unknown set-up 'bogus'"),
         (["--loads", "1,-2"], "loads must be > 0"),
         (["--prompt", "10:x"], "expected LO:HI tokens"),
+        (["--serve-option", "kv_share_min_weights"], "expected KEY=VALUE (a TOML value)"),
     ],
 )
 def test_bad_arguments_stop_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -79,10 +79,11 @@ def test_sleep_config_is_a_valid_serve_config(tmp_path: Path, device: str) -> No
     from elastic_kv_serve.config import parse_config
 
     extra: dict[str, object] = (
-        {"host_budget": "40%", "preload": True, "start_parallel": 4, "host_arena_dir": tmp_path}
+        {"host_budget": "40%", "preload": True, "start_parallel": 4, "host_arena_dir": tmp_path,
+         "serve_options": {"kv_share_min_weights": 0.5}}
         if device == "cuda"
         else {}
-    )
+    )  # fmt: skip
     plan = _plan(device, 6, tmp_path, **extra)
     setup = SleepSetup(plan, tmp_path / "models.toml")
     try:
@@ -97,7 +98,7 @@ def test_sleep_config_is_a_valid_serve_config(tmp_path: Path, device: str) -> No
     if device == "cuda":
         srv = config.server
         assert (srv.preload, srv.start_parallel, srv.host_arena_dir) == (True, 4, tmp_path)
-        assert srv.host_budget == Percent(40.0)
+        assert srv.host_budget == Percent(40.0) and srv.kv_share_min_weights == 0.5  # --serve-option
     else:  # the server's defaults
         assert (config.server.preload, config.server.start_parallel) == (False, 1)
     weights = config.models[0].weights_bytes
