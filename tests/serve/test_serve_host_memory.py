@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,6 +327,19 @@ def test_a_serving_model_whose_kv_fills_the_budget_gets_an_idle_neighbours_memor
         srv.stop()
 
 
+def _fill_the_budget(
+    srv: ServeProcess, pool: ThreadPoolExecutor, ask: Callable[[str, int, int], httpx.Response]
+) -> dict[str, Future[httpx.Response]]:
+    """``a`` and ``b`` each asked for 40 tokens holding 12 MiB of KV; returns once their KV fills the 20 MiB
+    the budget leaves beside the weights."""
+    long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
+    deadline = time.monotonic() + 30
+    while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
+        assert time.monotonic() < deadline, srv.status()
+        time.sleep(0.1)
+    return long
+
+
 def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tmp_path: Path) -> None:
     """A 50 MiB budget, three models of 15 MiB (declared), ``c`` idle-sleeping: ``a`` and ``b`` serve 20 s
     requests that want 12 MiB of KV each and fill the 20 MiB left. A request to ``c`` finds no idle model to
@@ -356,11 +369,7 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
             return reply
 
         with ThreadPoolExecutor(3) as pool:
-            long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:  # the budget is full
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            long = _fill_the_budget(srv, pool, ask)
             t0 = time.monotonic()
             short = pool.submit(ask, "c", 2, 0)
             assert _text(short.result(timeout=60)) == _expected(tmp_path, "c", "c", 2)
@@ -413,11 +422,7 @@ def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp
             return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
 
         with ThreadPoolExecutor(3) as pool:
-            long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:  # the budget is full
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            long = _fill_the_budget(srv, pool, ask)
             t0 = time.monotonic()
             assert _text(pool.submit(ask, "c", 2, 0).result(timeout=60)) == _expected(tmp_path, "c", "c", 2)
             assert time.monotonic() - t0 < 8.0  # a and b run about 20 s
