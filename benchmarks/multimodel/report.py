@@ -167,9 +167,9 @@ def memory_demand(
         return len(models) * model_bytes + int(tokens * kv_bytes_per_token)
 
     end = max((e for _, e, _, _ in spans), default=0.0)
-    grid = [i * step_s for i in range(int(end / step_s) + 1)]
-    peak = max((need(t) for t in grid), default=0)
-    short = sum(step_s for t in grid if need(t) > budget_bytes)
+    needs = [need(i * step_s) for i in range(int(end / step_s) + 1)]
+    peak = max(needs, default=0)
+    short = step_s * sum(n > budget_bytes for n in needs)
     arriving = sum(need(start) > budget_bytes for start, _, _, _ in spans)
     return {"peak_bytes": peak, "short_s": round(short, 1), "requests_short": arriving}
 

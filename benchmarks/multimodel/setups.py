@@ -322,14 +322,13 @@ class SleepSetup:
             if env:
                 model["env"] = dict(env)
             lines += ["", "[[models]]"] + [f"{k} = {_toml(v)}" for k, v in model.items()]
-        self.weights_bytes = weights
+        self.weights_bytes, self.budget_bytes = weights, budget
         return "\n".join(lines) + "\n", budget
 
     def start(self) -> None:
         plan = self.plan
         port = free_port()
         text, budget = self.config(port)
-        self.budget_bytes = budget
         self.config_path.write_text(text)
         (plan.logs / "sleep-engines").mkdir(parents=True, exist_ok=True)
         awake = min(len(plan.names), budget // self.weights_bytes)
