@@ -5,7 +5,8 @@
 #   bash ci/gpu-bundle/build.sh [OUT]     # OUT defaults to <repo>/.gpucarry (git-ignored)
 #
 # Writes OUT/vllm-a/bundle.tar.xz.part0, OUT/vllm-b/{bundle.tar.xz.part1,SHA256SUMS,unpack.sh} and
-# OUT/vllm-moe/ (vLLM's MoE kernels, optional): each stays under the 64 MiB that one device call carries. About 4 minutes on 2 cores (mostly xz).
+# OUT/vllm-moe/ (vLLM's MoE kernels, optional): each stays under the 64 MiB that one device call carries.
+# About 4 minutes on 2 cores (mostly xz).
 #
 # Why vLLM 0.26.0: it is the newest vLLM release built against torch 2.11, which is what the GPU image has;
 # later releases pin torch 2.13/2.14 and newer CUDA libraries than the image provides.
