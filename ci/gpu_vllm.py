@@ -535,9 +535,12 @@ def _child(args: argparse.Namespace) -> None:
             from vllm_elastic_kv import scheduler_pool
 
             scheduler_pool.local_rank = lambda instance, rank: None  # type: ignore[assignment]
-    extra: dict[str, Any] = (
-        {"additional_config": {"kv_cache_backend": "elastic"}} if backend == "elastic" else {}
-    )
+    additional: dict[str, Any] = {"kv_cache_backend": "elastic"} if backend == "elastic" else {}
+    if args.model == "gdn":
+        # vLLM picks FlashInfer's GDN prefill on Hopper, which the GPU machine's bundle lacks: both engines
+        # run Triton's (FLA), which is also what vLLM runs on every other platform.
+        additional["gdn_prefill_backend"] = "triton"
+    extra: dict[str, Any] = {"additional_config": additional} if additional else {}
     if args.speculative:
         extra["speculative_config"] = SPECULATIVE[args.speculative]
     if args.cpu_smoke:
