@@ -182,3 +182,35 @@ def test_the_scheduler_hook_makes_its_elastic_allocators_follow_the_running_batc
         follow_scheduler_after(None, native)
     finally:
         alloc._elastic_pool.elastic.close()
+
+
+def test_a_decode_check_holds_through_the_free_group_before_the_allocation(env: pytest.MonkeyPatch) -> None:
+    """SGLang's decode step is ``check_decode_capacity``, then ``alloc_for_decode``, which first runs
+    ``maybe_evict_swa`` in a free group of its own; that group's end runs the pool's step housekeeping,
+    which withholds free slots on draining pages. What the check admitted, the allocation must get (SGLang
+    treats a failed decode allocation as fatal): the check counts only slots that stay in service and
+    keeps what it backed until the allocation."""
+    alloc = _allocator(1)
+    try:
+        batch = Batch(alloc, 768)
+        _lower_by_a_page(alloc)
+        assert alloc._ledger.over_limit()  # nothing more can be backed: only free backed slots count
+        draining = set(alloc._ledger.draining_pages())
+        geometry = alloc._elastic_pool.elastic.geometry
+        holder = batch.slots[0]
+        on_draining = holder[torch.tensor([geometry.page_of(int(s) // 64) in draining for s in holder])]
+        alloc.free(on_draining[:10])  # in the free list until a step's housekeeping withholds them
+        answers = {}
+        for need in (alloc.elastic_available_size(), 1):  # all that looks free now, and one slot
+            answers[need] = alloc.check_decode_capacity(num_tokens=need, tree_cache=None)
+            alloc.free_group_begin()  # maybe_evict_swa, with nothing out of window to free
+            alloc.free_group_end()
+            if answers[need]:
+                taken = alloc.alloc(need)
+                assert taken is not None, f"the check admitted {need} slots, the allocation failed"
+                assert not set(taken.tolist()) & set(on_draining.tolist())
+                alloc.free(taken)
+        assert answers[1] is True and False in answers.values()  # the free slots on the draining page
+        assert alloc.verify_byte_accounting() == []
+    finally:
+        alloc._elastic_pool.elastic.close()

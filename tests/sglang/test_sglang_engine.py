@@ -18,6 +18,8 @@ import pytest
 from elastic_kv.registry import Registry
 
 from tests.support.sglang_engine import (
+    MIXED,
+    MIXED_NEW,
     EngineProcess,
     generate_under_lowered_limit,
     generate_watching_peaks,
@@ -59,6 +61,8 @@ def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
                 "small": eng.generate(SMALL, max_new_tokens=24),
                 "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
             }
+            if ps == 1:
+                out[ps]["mixed"] = eng.generate(MIXED, max_new_tokens=MIXED_NEW)
             eng.call("flush_cache")
             out[ps]["rss"] = [_scheduler_rss(eng)]
     return out
@@ -187,6 +191,17 @@ def test_ps16_idle_rss_below_native(elastic_ps16: EngineProcess, reference: dict
     kv_bytes = MAX_TOTAL_TOKENS * 2 * 2 * 256  # tokens x layers x (K, V) x row bytes
     print(f"idle scheduler RSS: native {native / 2**20:.0f} MiB, elastic {rss / 2**20:.0f} MiB")
     assert rss < native - kv_bytes // 2
+
+
+def test_ps1_lowered_limit_with_mixed_lengths(
+    elastic_ps1: EngineProcess, registry_dir: Path, reference: dict[int, Any]
+) -> None:
+    """A limit lowered below a running batch of mixed lengths at page_size 1 (SGLang's slots in 64-slot
+    chunks, several chunks a page): the drain releases the pages of the requests SGLang retracts first,
+    free slots on them are withheld, and the tokens stay the native ones."""
+    mixed = generate_under_lowered_limit(elastic_ps1, registry_dir, "elastic-ps1", MIXED, MIXED_NEW)
+    assert mixed == reference[1]["mixed"]
+    assert elastic_ps1.generate(SMALL, max_new_tokens=24) == reference[1]["small"]
 
 
 def test_ps16_lowered_limit_retracts_not_crashes(

@@ -39,6 +39,11 @@ SLOT = 64 << 10
 MAMBA_SLOTS = 64  # --max-mamba-cache-size: 16 pages of 4 state slots each at SLOT
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 38)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 150))]
 NEW = 12
+# More requests at once than the state slots a budget at the device's charge leaves (the dummy slot's page,
+# always backed, has 3 more); short enough that all their KV fits the attention pool's first chunk (63
+# token slots beside the null slot, always backed), so state slots are what they wait for.
+CROWD = [[(13 * i + 7) % 900 + 10, (5 * i + 3) % 900 + 10] for i in range(10)]
+CROWD_NEW = 2
 # A batch that outgrows a small KV limit in decode: 8 requests of 48 + 96 tokens.
 HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
 HEAVY_NEW = 96
@@ -74,7 +79,8 @@ def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
 def reference(gdn_model: Path) -> dict[str, list[list[int]]]:
     """Native outputs (the plugin installed, not enabled)."""
     with _start("gdn-native", gdn_model, "native") as eng:
-        return reference_outputs(eng, {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW)})
+        runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "crowd": (CROWD, CROWD_NEW)}
+        return reference_outputs(eng, runs)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +163,32 @@ def test_lowered_limit_retracts_not_crashes(
     _flush(elastic)
     state = settled_snapshot(registry_dir, f"{NAME}-mamba", lambda s: s.used_blocks == 0)
     assert state.used_blocks == 0
+
+
+def test_a_budget_below_the_states_need_delays_requests_not_crashes(
+    elastic: EngineProcess, registry_dir: Path, reference: dict[str, Any]
+) -> None:
+    """The device's budget is set to what it holds idle, which leaves 3 state slots, while 10 short
+    requests arrive at once. SGLang 0.5.23 admits requests by its logical slot count here and a state slot
+    it cannot get is fatal (an assertion in ``HybridReqToTokenPool.alloc``); the plugin's admission counts
+    the slots that can be backed, so the others wait their turn and every request ends with the native
+    tokens."""
+    mamba = f"{NAME}-mamba"
+    _flush(elastic)
+    idle = settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
+    registry = Registry(registry_dir)
+    device = registry.pool(mamba).device
+    budget = registry.device(device).charged_bytes
+    registry.set_budget(device, budget)
+    try:
+        out, peak = generate_watching_peaks(elastic, registry_dir, (mamba,), CROWD, max_new_tokens=CROWD_NEW)
+        assert out == reference["crowd"]
+        assert peak[mamba] <= idle.mapped_bytes  # the dummy slot's page only: 3 requests at a time
+        assert registry.device(device).charged_bytes <= budget
+    finally:
+        registry.set_budget(device, 0)
+    assert elastic.call("get_server_info") is not None  # the scheduler is alive
+    _flush(elastic)
 
 
 def test_sleep_returns_both_pools_and_wake_serves_the_same(

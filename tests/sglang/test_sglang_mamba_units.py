@@ -334,3 +334,63 @@ def test_the_token_allocator_drives_the_state_pool(hybrid: Any) -> None:
             )
     finally:
         kv.full_kv_pool.elastic.close()
+
+
+def test_admission_counts_the_state_slots_that_can_be_backed(hybrid: Any) -> None:
+    """SGLang 0.5.23 gates new requests on state slots only in its unified Mamba pool, and a slot it cannot
+    get at allocation or checkpoint is fatal there. The KV allocator's prefill budget counts them: as many
+    new requests as state slots can be backed now or freed by evicting cached states, then none (so a
+    tight device budget delays requests); a chunk of a running request takes no new slot."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.hooks import verify_configured_after
+    from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
+
+    kv = HybridLinearKVPool(
+        size=512, dtype=torch.float32, page_size=1, head_num=2, head_dim=32, full_attention_layer_ids=[3],
+        device="cpu", mamba_pool=hybrid.mamba_pool, full_kv_pool_class=ElasticMHATokenToKVPool,
+    )  # fmt: skip
+
+    class Cache:  # a Mamba radix cache holding one evictable state, no evictable KV
+        def supports_mamba(self) -> bool:
+            return True
+
+        def full_evictable_size(self) -> int:
+            return 0
+
+        def mamba_evictable_size(self) -> int:
+            return 1
+
+    try:
+        alloc = ElasticTokenToKVPoolAllocator(512, torch.float32, "cpu", kv, False)
+        cfg = SimpleNamespace(_page_major_enabled=lambda: False, mambaish_config=object())
+        verify_configured_after(
+            SimpleNamespace(token_to_kv_pool_allocator=alloc, req_to_token_pool=hybrid), cfg
+        )
+        assert hybrid.mamba_allocator.elastic_slots_per_request == 1  # no tracking buffers here
+        held = hybrid.mamba_allocator.alloc(MAMBA_SLOTS - 2)  # two free slots left
+        assert held is not None
+        budget = alloc.create_prefill_budget(Cache())
+        ask = {
+            "extend_input_len": 8,
+            "total_tokens": 16,
+            "max_new_tokens": 8,
+            "input_tokens": 8,
+            "swa_host_hit_length": 0,
+            "chunk_limit": None,
+        }
+        # Two free slots and one cached state SGLang can evict: three slots; a request takes two (its state
+        # and the copy the radix cache checkpoints once its prefill ends).
+        assert budget._requests_room == 1
+        assert budget.has_capacity() and budget.check_prefill(**ask)[0]
+        budget.reserve(8, 8)
+        assert budget.check_prefill(**ask) == (False, None) and not budget.has_capacity()
+        assert not budget.can_allocate_prefill(
+            paged_input=8, extend_input_len=8, max_new_tokens=8, chunk_limit=None
+        )
+        budget.reserve(8, 0, is_chunked_continuation=True)  # a running request's next chunk: no slot
+        assert budget._requests_room == 0
+        hybrid.mamba_allocator.free(held[:5])
+        assert alloc.create_prefill_budget(Cache())._requests_room == (2 + 5 + 1) // 2
+    finally:
+        kv.full_kv_pool.elastic.close()

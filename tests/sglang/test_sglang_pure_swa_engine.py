@@ -21,6 +21,8 @@ import pytest
 from elastic_kv.registry import Registry
 
 from tests.support.sglang_engine import (
+    MIXED,
+    MIXED_NEW,
     EngineProcess,
     generate_under_lowered_limit,
     generate_watching_peaks,
@@ -67,7 +69,8 @@ def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
 def reference(model: Path) -> dict[str, list[list[int]]]:
     """Native outputs (the plugin installed, not enabled)."""
     with _start("pure-swa-native", model, "native") as eng:
-        return reference_outputs(eng, {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW)})
+        runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "mixed": (MIXED, MIXED_NEW)}
+        return reference_outputs(eng, runs)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +139,15 @@ def test_lowered_limit_retracts_not_crashes(
     elastic: EngineProcess, registry_dir: Path, reference: dict[str, Any]
 ) -> None:
     """kvctl lowers the pool's limit below what a running batch needs: SGLang retracts requests (and
-    re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones."""
+    re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones.
+    Twice, the second time with requests of mixed lengths: every decode step while the pool drains
+    passes SGLang's capacity check, then frees out-of-window slots in a free group whose housekeeping
+    withholds free slots on draining pages, then allocates (what the check admitted must still be there:
+    ``tests/sglang/test_sglang_drain_units.py::test_a_decode_check_holds_through_the_free_group_before_the_allocation``)."""
     heavy = generate_under_lowered_limit(elastic, registry_dir, POOL, HEAVY, HEAVY_NEW)
     assert heavy == reference["heavy"]
+    mixed = generate_under_lowered_limit(elastic, registry_dir, POOL, MIXED, MIXED_NEW)
+    assert mixed == reference["mixed"]
     assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
 
 

@@ -282,6 +282,9 @@ def test_eviction_follows_physical_headroom(env: pytest.MonkeyPatch) -> None:
     assert alloc.available_size() >= need  # SGLang's own check would not evict anything
     assert alloc.check_decode_capacity(num_tokens=need, tree_cache=cache) is True
     assert cache.evictable_size() < 512
+    step = alloc.alloc(need)  # the decode step the check admitted takes what it backed, and ends
+    assert step is not None
+    alloc.free(step)
     budget = alloc.create_prefill_budget(cache)
     assert budget.remaining_total == alloc.elastic_available_size() + cache.evictable_size()
     pool.elastic.close()

@@ -30,6 +30,13 @@ from tests.support.models import REPO_ROOT
 
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
 LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
+# A batch of mixed lengths for lowered-limit tests: prompts of 8 to 120 tokens, each decoding 96 more, so the
+# requests SGLang retracts first (fewest output tokens, then longest prompt) hold different numbers of pages
+# and the drain's choice of pages decides how many it retracts.
+MIXED = [
+    [(11 * i + 5 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((8, 120, 24, 96, 40, 72, 16, 56))
+]
+MIXED_NEW = 96
 
 # The engine settings of docs/cpu-engines.md ("SGLang on the CPU") for a tiny model.
 CPU_ENGINE_KWARGS: dict[str, Any] = {

@@ -23,6 +23,15 @@ what the ledger can still map under its limit), and it is what the scheduler's c
 it does when its own pool is full. Each admission pass reads the headroom outside the pool afresh
 (:func:`refresh_headroom`), so ``alloc`` returning None (which SGLang treats as fatal) happens only if
 another pool takes the device's budget within that pass, between the check and the allocation.
+
+The decode check goes further: it *backs* what the next decode step allocates and keeps it until that
+allocation (:meth:`ElasticAllocatorMixin.elastic_promise`). Between the two, SGLang frees out-of-window
+tokens in a free group of its own (``maybe_evict_swa``), whose end runs the pool's step housekeeping; that
+housekeeping (withholding free slots on draining pages, returning empty chunks) must not take back what
+the check promised, or the allocation fails after the check passed.
+
+Eviction has one path, :func:`evict_shortfall` per pool side, used by the capacity hooks and by the
+plugin's own hooks (a request's release, a retraction, an idle pool over its limit) alike.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ __all__ = [
     "ElasticPagedTokenToKVPoolAllocator",
     "ElasticPrefillBudget",
     "ElasticTokenToKVPoolAllocator",
+    "evict_shortfall",
     "refresh_headroom",
     "room_after_eviction",
 ]
@@ -77,8 +87,28 @@ def room_after_eviction(backable: int, evictable: int, limit_room: int | None) -
     return max(backable, min(backable, limit_room) + evictable)
 
 
+def evict_shortfall(part: Any, evictable: int, num_tokens: int = 0, max_cached_tokens: int = 0) -> int:
+    """Cached tokens to evict from the side of the prefix cache that ``part`` (an elastic allocator) backs,
+    which holds ``evictable`` unlocked ones: every one while the pool is over its limit (cached entries
+    would keep its draining pages backed, and a retracted request would match its own prefix there
+    again), else what ``num_tokens`` lacks of backable room or what the cache holds beyond
+    ``max_cached_tokens`` (0: no bound), whichever is more."""
+    if evictable <= 0:
+        return 0
+    if part.elastic_over_limit():
+        return evictable
+    short = num_tokens - part.elastic_available_size() if num_tokens > 0 else 0
+    if max_cached_tokens > 0:
+        short = max(short, evictable - max_cached_tokens)
+    return max(0, min(short, evictable))
+
+
 class ElasticPrefillBudget(PrefillBudget):
-    """SGLang's prefill budget with the allocator's *backable* headroom in place of its logical one."""
+    """SGLang's prefill budget with the allocator's *backable* headroom in place of its logical one, and,
+    for a Mamba / linear hybrid, a count of the new requests whose state slots can be backed: SGLang
+    0.5.23 gates those only in its unified Mamba pool (``rem_mamba_slots``) and treats a state slot it
+    cannot get at allocation as fatal, so without the count a device budget below the states' need
+    would crash the engine instead of making requests wait."""
 
     def __init__(self, allocator: Any, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> None:
         super().__init__(allocator, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
@@ -86,6 +116,31 @@ class ElasticPrefillBudget(PrefillBudget):
         # One budget serves one scheduling pass, during which nothing is allocated: read the limit once.
         refresh_headroom(allocator)
         self._limit_room = allocator.elastic_limit_room()
+        self._requests_room: int | None = allocator.elastic_admission_room(tree_cache)
+
+    def _admits_another(self) -> bool:
+        return self._requests_room is None or self._requests_room > 0
+
+    def has_capacity(self) -> bool:
+        """SGLang's token check, and room for another request's state (hybrids)."""
+        return self._admits_another() and bool(super().has_capacity())
+
+    def check_prefill(self, **kwargs: Any) -> tuple[bool, int | None]:
+        """A new request: refused while no state slot can be backed for it, else SGLang's token check."""
+        if not self._admits_another():
+            return False, None
+        result: tuple[bool, int | None] = super().check_prefill(**kwargs)
+        return result
+
+    def can_allocate_prefill(self, **kwargs: Any) -> bool:
+        """The same gate on SGLang's other admission path (requests with ``ignore_eos`` and no cache)."""
+        return self._admits_another() and bool(super().can_allocate_prefill(**kwargs))
+
+    def reserve(self, extend_input_len: int, max_new_tokens: int, **kwargs: Any) -> None:
+        """SGLang's reservation; a new request (not a chunk of one already running) takes its state."""
+        super().reserve(extend_input_len, max_new_tokens, **kwargs)
+        if self._requests_room is not None and not kwargs.get("is_chunked_continuation", False):
+            self._requests_room -= 1
 
     def _available_and_evictable(self) -> int:
         # The parent adds the tree cache's evictable tokens to allocator.available_size(); keep its
@@ -134,6 +189,9 @@ class ElasticAllocatorMixin:
     # Whether this pool holds every token of a request (False: a sliding window's pool holds its window),
     # so that a request's whole length must fit its ceiling (sglang_elastic_kv.fit).
     elastic_holds_sequence: bool = True
+    # Free pages (slots at page_size 1) the last decode check backed for the coming decode allocation
+    # (:meth:`elastic_promise`); housekeeping leaves that many in the free list until then.
+    _promised: int = 0
 
     def elastic_follow(self, running: drain.RunningRequests) -> None:
         """Steer a lowered limit's drain by the scheduler's ``running`` requests (:mod:`.drain`): the ledger
@@ -177,6 +235,12 @@ class ElasticAllocatorMixin:
         self._asleep = False
         for other in self._attached:
             other.elastic_wake()
+
+    def elastic_admission_room(self, tree_cache: Any) -> int | None:
+        """New requests the memory attached to this allocator (a hybrid's state slots) can take now; None
+        where nothing is attached."""
+        rooms = [int(other.elastic_admission_room(tree_cache)) for other in self._attached]
+        return min(rooms) if rooms else None
 
     def elastic_attach(self, other: Any) -> None:
         """Drive ``other`` (``elastic_step_begin/_end``, ``elastic_idle_check``, ``elastic_sleep/_wake``)
@@ -241,6 +305,22 @@ class ElasticAllocatorMixin:
             self._maintained_at = now
             self._ledger.maintain()
         self._follow_drain()
+        # A promise outlives at most one free group: the one SGLang opens between its decode check and
+        # the allocation (maybe_evict_swa). Past it, no allocation is coming for it.
+        self._promised = 0
+
+    def elastic_promise(self, num_tokens: int) -> bool:
+        """The decode check found the next step's ``num_tokens`` can be had: back them now, after the
+        drain's withholding (:meth:`_follow_drain`, which would otherwise take free slots on draining pages
+        from the list between the check and the allocation), and keep them for that allocation. False,
+        with nothing taken, when they cannot be backed now (SGLang then retracts)."""
+        self._promised = 0
+        self._follow_drain()
+        pages = -(-num_tokens // int(getattr(self, "page_size", 1)))
+        if not self.ensure_backed(pages):
+            return False
+        self._promised = pages
+        return True
 
     def _follow_drain(self) -> None:
         """Keep free backed slots on draining pages from being handed out (the ledger withholds only the
@@ -253,6 +333,7 @@ class ElasticAllocatorMixin:
         reserve, snapshot) runs; returns violations when the ledger's live blocks disagree with the
         blocks this allocator holds, or the pool is inconsistent."""
         self._ledger.release_through(self._ledger.epoch)
+        self._promised = 0  # idle: no allocation is coming
         if not self._asleep:
             self._ledger.maintain()
             self._follow_drain()
@@ -284,31 +365,41 @@ class ElasticAllocatorMixin:
         """Admission budget over backable headroom (see :class:`ElasticPrefillBudget`)."""
         return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
-    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
-        """Evict unlocked prefix-cache entries until ``num_tokens`` can be backed, or nothing is left; all of
-        them while the pool is over its limit.
+    def elastic_withdraw_promise(self) -> None:
+        """Undo :meth:`elastic_promise` (a composite's other side could not back its share): what it
+        backed ahead of use goes back to the ledger."""
+        self._promised = 0
+        self.give_back_unused()
+
+    def elastic_evict(self, tree_cache: Any, num_tokens: int = 0, max_cached_tokens: int = 0) -> None:
+        """Evict unlocked prefix-cache entries as :func:`evict_shortfall` says (room for ``num_tokens``,
+        everything while over the limit, the bound ``max_cached_tokens``).
 
         Uses the cache's plain ``evict``: its allocation-driven variant measures the shortfall against the
         allocator's logical size, which an elastic pool may satisfy while its memory is short.
         """
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
-            return None
-        shortfall = num_tokens - self.elastic_available_size()
-        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
-            shortfall = max(shortfall, int(tree_cache.evictable_size()))
-        if shortfall > 0:
-            tree_cache.evict(EvictParams(num_tokens=shortfall))
+            return
+        count = evict_shortfall(self, int(tree_cache.evictable_size()), num_tokens, max_cached_tokens)
+        if count:
+            tree_cache.evict(EvictParams(num_tokens=count))
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """SGLang's eviction before an allocation: :meth:`elastic_evict` for ``num_tokens``."""
+        self.elastic_evict(tree_cache, num_tokens)
         return None
 
     def check_decode_capacity(
         self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
     ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed after eviction, and no request of
-        ``requests`` must be retracted for a drain (:meth:`elastic_must_retract`); False -> retract."""
-        self.evict_to_free_tokens(tree_cache, num_tokens)
+        """Whether the next decode step's ``num_tokens`` are backed after eviction (and kept for it:
+        :meth:`elastic_promise`), and no request of ``requests`` must be retracted for a drain
+        (:meth:`elastic_must_retract`); False -> retract."""
+        self.elastic_evict(tree_cache, num_tokens)
         if self.elastic_must_retract(requests):
+            self._promised = 0
             return False
-        return self.elastic_available_size() >= num_tokens
+        return self.elastic_promise(num_tokens)
 
 
 class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
@@ -365,6 +456,7 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
         """SGLang's ``alloc``; a free list shorter than ``need_size`` first grows by whole backed chunks."""
         if not self.ensure_backed(need_size):
             return None
+        self._promised = 0
         result: torch.Tensor | None = super().alloc(need_size)
         return result
 
@@ -429,15 +521,15 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
 
     def _follow_drain(self) -> None:
         """Free slots on draining pages leave the free list (their chunks go back to the ledger as they
-        empty); when no page drains any more, they return to it."""
-        if self._ledger.draining:
+        empty); when no page drains any more, they return to it. Not while a decode check's promise is
+        open (:meth:`elastic_promise`): the next step's housekeeping does it."""
+        if self._promised:
+            return
+        on_draining = drain.draining_page_mask(self._ledger, self.device)
+        if on_draining is not None:
             self.merge_and_sort_free()
             free = self.free_pages
-            on_draining = torch.zeros(self._num_chunks, dtype=torch.bool)
-            bpp = self._grow_step
-            for page in self._ledger.draining_pages():
-                on_draining[page * bpp : (page + 1) * bpp] = True
-            withhold = on_draining.to(self.device)[free // self._chunk]
+            withhold = on_draining[free // (self._chunk * self._grow_step)]
             if bool(withhold.any()):
                 self._withheld = torch.cat((self._withheld, free[withhold]))
                 self.free_pages = free[~withhold]
@@ -447,6 +539,8 @@ class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocato
             self._withheld = self._withheld[:0]
 
     def _release_empty_chunks(self) -> None:
+        if self._promised:  # the promised slots stay backed until the decode allocation takes them
+            return
         self._freed_since_check = 0
         self.merge_and_sort_free()
         free, withheld = self.free_pages, self._withheld
@@ -530,14 +624,15 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
 
     def _follow_drain(self) -> None:
         """Pages backed ahead of use go back to the ledger while pages drain (SGLang's frees already go
-        straight to it), so none on a draining page is handed out."""
-        if self._ledger.draining:
+        straight to it), so none on a draining page is handed out; not those a decode check promised."""
+        if self._ledger.draining and not self._promised:
             self.give_back_unused()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's page-aligned ``alloc`` after backing the pages it will take."""
         if not self.ensure_backed(need_size // self.page_size):
             return None
+        self._promised = 0
         result: torch.Tensor | None = super().alloc(need_size)
         return result
 
@@ -574,6 +669,7 @@ class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPo
             if not self.ensure_backed(needed):
                 return None
             result = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        self._promised = 0
         return result
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:

@@ -272,7 +272,14 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "get_kvcache",
     ),
     "sglang.srt.mem_cache.prefill_budget": ("PrefillBudget", "SWAPrefillBudget"),
-    "sglang.srt.mem_cache.prefill_budget.PrefillBudget": ("__init__", "_available_and_evictable"),
+    "sglang.srt.mem_cache.prefill_budget.PrefillBudget": (
+        "__init__",
+        "_available_and_evictable",
+        "has_capacity",
+        "check_prefill",
+        "can_allocate_prefill",
+        "reserve",
+    ),
     "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget": ("_available_and_evictable", "remaining_swa"),
     "sglang.srt.mem_cache.base_prefix_cache": ("EvictParams", "BasePrefixCache"),
     "sglang.srt.mem_cache.base_prefix_cache.EvictParams": ("num_tokens", "swa_num_tokens"),
@@ -283,6 +290,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "evictable_size",
         "full_evictable_size",
         "swa_evictable_size",
+        "supports_mamba",
     ),
 }
 
@@ -335,6 +343,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     f"{_POOLS}.HybridReqToTokenPool": (
         "mamba_pool",
         "mamba_allocator",
+        "mamba_initial_tracking_slots",
         "mamba_ckpt_pool",
         "short_conv_pool",
         "ngram_pool",

@@ -40,6 +40,7 @@ from elastic_kv.ledger.drain import order_by_holders
 __all__ = [
     "RunningRequests",
     "drain_order",
+    "draining_page_mask",
     "holds_draining",
     "must_retract",
     "request_blocks",
@@ -93,18 +94,30 @@ def request_blocks(
     return out
 
 
+def draining_page_mask(ledger: Any, device: Any) -> torch.Tensor | None:
+    """A flag per page of ``ledger`` on ``device``, True where the page drains; None when none does. A
+    slot's page is ``slot // (rows_per_block * blocks_per_page)``: the one mask the allocators' withholding
+    and the retraction check index."""
+    draining = ledger.draining_pages() if ledger.draining else []
+    if not draining:
+        return None
+    mask = torch.zeros(ledger.geometry.num_pages, dtype=torch.bool, device=device)
+    mask[torch.tensor(draining, dtype=torch.int64, device=device)] = True
+    return mask
+
+
 def holds_draining(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> list[bool]:
     """For each of ``requests``, whether it holds a slot on one of ``allocator``'s draining pages (an
     elastic allocator: :class:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin`). Computed on the
     table's device for the whole batch, with one small read back (a flag per request)."""
     ledger = allocator._ledger
-    draining = ledger.draining_pages() if ledger.draining else []
-    if not draining or not requests:
+    if not ledger.draining or not requests:
         return [False] * len(requests)
     slots, _, rows = _slot_rows(req_to_token, requests, allocator.elastic_translate)
+    on_draining = draining_page_mask(ledger, slots.device)
+    if on_draining is None:
+        return [False] * len(requests)
     per_page = int(allocator._elastic_pool.rows_per_block) * ledger.geometry.blocks_per_page
-    on_draining = torch.zeros(ledger.geometry.num_pages, dtype=torch.bool, device=slots.device)
-    on_draining[torch.tensor(draining, dtype=torch.int64, device=slots.device)] = True
     hits = on_draining[slots // per_page].any(dim=1).tolist()  # slot 0's page (the null page) never drains
     out = [False] * len(requests)
     for i, hit in zip(rows, hits, strict=True):

@@ -95,7 +95,7 @@ def on_idle_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Non
         and allocator.elastic_over_limit()
         and scheduler.is_fully_idle(ignore_waiting=True)
     ):
-        allocator.evict_to_free_tokens(scheduler.tree_cache, 0)
+        allocator.elastic_evict(scheduler.tree_cache)
     fit.on_idle_after(result, scheduler, *args, **kwargs)
 
 
@@ -303,7 +303,9 @@ def attach_state_pool(allocator: Any, req_to_token_pool: Any) -> None:
             "--kv-cache-backend=elastic does not serve Mamba / linear hybrids with "
             f"{type(allocator).__name__}"
         )
-    allocator.elastic_attach(req_to_token_pool.mamba_allocator)
+    slots = req_to_token_pool.mamba_allocator
+    slots.elastic_slots_per_request = 1 + int(req_to_token_pool.mamba_initial_tracking_slots)
+    allocator.elastic_attach(slots)
 
 
 def _kv_tags(recv_req: Any) -> bool:
@@ -337,21 +339,11 @@ def release_kv_cache_after(
 
 
 def _evict_cached(tree_cache: Any, max_cached_tokens: int = 0) -> None:
-    """Evict everything evictable while the cache's pool is over its limit (cached entries would keep
-    draining pages backed, and a retracted request would match its own prefix there again), else the
-    excess over ``max_cached_tokens`` (0: no bound)."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    if tree_cache is None or not tree_cache.supports_prefix_sharing():
-        return
-    evictable = int(tree_cache.evictable_size())
-    allocator: Any = tree_cache.token_to_kv_pool_allocator
-    if evictable and is_elastic_allocator(allocator) and allocator.elastic_over_limit():
-        excess = evictable
-    else:
-        excess = evictable - max_cached_tokens if max_cached_tokens > 0 else 0
-    if excess > 0:
-        tree_cache.evict(EvictParams(num_tokens=excess))
+    """The allocators' one eviction path (``elastic_evict``: every side of a composite): everything
+    evictable while a pool is over its limit, else the excess over ``max_cached_tokens`` (0: no bound)."""
+    allocator: Any = getattr(tree_cache, "token_to_kv_pool_allocator", None)
+    if is_elastic_allocator(allocator):
+        allocator.elastic_evict(tree_cache, 0, max_cached_tokens)
 
 
 def retract_decode_after(result: Any, batch: Any, *a: Any, **k: Any) -> None:

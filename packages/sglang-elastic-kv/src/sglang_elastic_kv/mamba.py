@@ -19,8 +19,10 @@ slot padded rows write to. Here:
   respects (it caps running requests by it); ``ELASTIC_KV_LIMIT`` is not applied to it, because SGLang
   0.5.23 treats a state slot it cannot get as fatal (an assertion in ``HybridReqToTokenPool.alloc``), so
   a byte limit below the live states' need could only crash the engine. For the same reason its registry
-  record follows no limit: ``kvctl limit`` on ``<name>-mamba`` is refused in one line (the device budget
-  still counts the pool).
+  record follows no limit: ``kvctl limit`` on ``<name>-mamba`` is refused in one line. The device budget
+  still counts the pool, and admission counts the state slots it lets be backed
+  (:meth:`ElasticMambaSlotAllocator.elastic_admission_room`, read by the KV allocator's prefill budget):
+  under a tight budget new requests wait for slots instead of reaching SGLang's fatal assertion.
 * :class:`ElasticHybridReqToTokenPool` is SGLang's ``HybridReqToTokenPool`` with both of them. The
   hook on ``KVCacheConfigurator._build_hybrid_req_pool`` makes SGLang build it with its own arguments.
 
@@ -147,6 +149,10 @@ class ElasticMambaPool(MambaPool):
 class ElasticMambaSlotAllocator(MambaSlotAllocator):
     """``MambaSlotAllocator`` whose free list holds only backed slots (ledger block id = slot id)."""
 
+    # Slots a new request takes: its state, and the tracking buffers SGLang gives it up front
+    # (``HybridReqToTokenPool.mamba_initial_tracking_slots``; set when the pool is attached).
+    elastic_slots_per_request: int = 1
+
     def __init__(self, pool: ElasticMambaPool) -> None:
         self._pool = pool
         self._ledger = pool.elastic.ledger
@@ -173,6 +179,20 @@ class ElasticMambaSlotAllocator(MambaSlotAllocator):
     def schedulable_available_size(self) -> int:
         """Free slots that can be backed now: backed free slots plus what the ledger can still map."""
         return min(self.available_size(), len(self.free_slots) + self._ledger.available_size())
+
+    def elastic_admission_room(self, tree_cache: Any) -> int:
+        """New requests whose state slots can be had now (read afresh, like the KV pools' headroom at
+        each admission pass): slots backable now and cached states the Mamba radix cache can evict
+        (SGLang evicts those before it allocates), over the slots one request takes. With a Mamba radix
+        cache that is one more: once its prefill ends, SGLang checkpoints the request's state into the
+        tree in a slot of its own (``prepare_for_caching_req``), and fails if it cannot get one."""
+        self._ledger.refresh_room()
+        per_request = self.elastic_slots_per_request
+        evictable = 0
+        if tree_cache is not None and tree_cache.supports_mamba():
+            evictable = int(tree_cache.mamba_evictable_size())
+            per_request += 1
+        return (self.schedulable_available_size() + evictable) // per_request
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
         """SGLang's allocation after taking the missing slots from the ledger; None (nothing taken) when

@@ -31,14 +31,15 @@ from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from sglang_elastic_kv import compat
-from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator, evict_shortfall
+from sglang_elastic_kv.composite import ElasticCompositeMixin
 from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 from sglang_elastic_kv.swa import ElasticSWAPrefillBudget
 
 __all__ = ["ElasticPureSWAAllocator"]
 
 
-class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
+class ElasticPureSWAAllocator(ElasticCompositeMixin, PureSWATokenToKVPoolAllocator):
     """``PureSWATokenToKVPoolAllocator`` whose one sub-allocator is elastic; constructed with the in-tree
     arguments (the allocator builder hook rebuilds SGLang's instance with them)."""
 
@@ -81,59 +82,17 @@ class ElasticPureSWAAllocator(PureSWATokenToKVPoolAllocator):
             self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens, all_swa=True
         )
 
-    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
-        """Evict prefix-cache entries until ``num_tokens`` can be backed, or nothing is left (plain
-        ``evict``, with the shortfall on both faces as SGLang's own all-SWA path asks)."""
+    def elastic_evict(self, tree_cache: Any, num_tokens: int = 0, max_cached_tokens: int = 0) -> None:
+        """Evict prefix-cache entries as :func:`~sglang_elastic_kv.allocators.evict_shortfall` says for the
+        one pool (plain ``evict``, the count on both faces as SGLang's own all-SWA path asks)."""
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return
-        short = max(0, num_tokens - self.elastic_swa_available_size())
-        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
-            short = max(short, int(tree_cache.evictable_size()))
-        if short:
-            tree_cache.evict(EvictParams(num_tokens=short, swa_num_tokens=short))
-
-    def check_decode_capacity(
-        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
-    ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed after eviction, and no request must
-        be retracted for the pool's drain; False -> retract."""
-        self.evict_to_free_tokens(tree_cache, num_tokens)
-        if self.swa_attn_allocator.elastic_must_retract(requests):
-            return False
-        return self.elastic_swa_available_size() >= num_tokens
+        count = evict_shortfall(
+            self.swa_attn_allocator, int(tree_cache.evictable_size()), num_tokens, max_cached_tokens
+        )
+        if count:
+            tree_cache.evict(EvictParams(num_tokens=count, swa_num_tokens=count))
 
     def elastic_parts(self) -> tuple[Any, ...]:
         """The one elastic allocator under both faces."""
         return (self.swa_attn_allocator,)
-
-    # -- once per engine step; idle; sleep ---------------------------------------------------------------
-
-    def free_group_begin(self) -> None:
-        """SGLang's free group on the composite, and the sub-allocator's release epoch."""
-        super().free_group_begin()
-        self.swa_attn_allocator.elastic_step_begin()
-
-    def free_group_end(self) -> None:
-        """SGLang's grouped frees, then the sub-allocator's step housekeeping."""
-        super().free_group_end()
-        self.swa_attn_allocator.elastic_step_end()
-
-    def verify_byte_accounting(self) -> list[str]:
-        """SGLang's idle diagnostic on the one pool (see ``ElasticAllocatorMixin.verify_byte_accounting``)."""
-        return list(self.swa_attn_allocator.verify_byte_accounting())
-
-    def elastic_over_limit(self) -> bool:
-        """True while the pool holds more than its limit."""
-        return bool(self.swa_attn_allocator.elastic_over_limit())
-
-    def elastic_note_retracted(self, requests: int) -> None:
-        """Count retracted requests in the pool's snapshot."""
-        self.swa_attn_allocator.elastic_note_retracted(requests)
-
-    def elastic_sleep(self) -> None:
-        """The pool released its KV memory (``release_memory_occupation``): unmap its reserve."""
-        self.swa_attn_allocator.elastic_sleep()
-
-    def elastic_wake(self) -> None:
-        """The pool maps on demand again."""
-        self.swa_attn_allocator.elastic_wake()

@@ -48,9 +48,11 @@ from sglang_elastic_kv.allocators import (
     ElasticAllocatorMixin,
     ElasticPagedTokenToKVPoolAllocator,
     ElasticTokenToKVPoolAllocator,
+    evict_shortfall,
     refresh_headroom,
     room_after_eviction,
 )
+from sglang_elastic_kv.composite import ElasticCompositeMixin
 from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
 __all__ = ["ElasticSWAPrefillBudget", "ElasticSWATokenToKVPoolAllocator"]
@@ -99,12 +101,13 @@ class ElasticSWAPrefillBudget(SWAPrefillBudget):
         return room - int(self.swa_offset)
 
 
-class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
+class ElasticSWATokenToKVPoolAllocator(ElasticCompositeMixin, SWATokenToKVPoolAllocator):
     """``SWATokenToKVPoolAllocator`` whose full and SWA sub-allocators are elastic; constructed with the
     in-tree arguments (the allocator builder hook rebuilds SGLang's instance with them)."""
 
     full_attn_allocator: Any
     swa_attn_allocator: Any
+    _part_names = ("full", "swa")
 
     def __init__(
         self,
@@ -172,33 +175,22 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
         """Admission budget over backable headroom on both sides (:class:`ElasticSWAPrefillBudget`)."""
         return ElasticSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
-    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
-        """Evict prefix-cache entries until ``num_tokens`` can be backed on both sides, or nothing is left;
-        all of them while either pool is over its limit.
-
-        Uses the cache's plain ``evict`` with both shortfalls: its allocation-driven variant measures them
-        against the sub-pools' logical sizes, which an elastic pool may satisfy while memory is short.
-        """
+    def elastic_evict(self, tree_cache: Any, num_tokens: int = 0, max_cached_tokens: int = 0) -> None:
+        """Evict prefix-cache entries on each side as :func:`~sglang_elastic_kv.allocators.evict_shortfall`
+        says for that side's pool (room for ``num_tokens``, everything while over its limit, the bound
+        ``max_cached_tokens``), with the cache's plain ``evict``: its allocation-driven variant measures
+        the shortfalls against the sub-pools' logical sizes, which an elastic pool may satisfy while
+        memory is short."""
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return
-        full_short = max(0, num_tokens - self.elastic_full_available_size())
-        swa_short = max(0, num_tokens - self.elastic_swa_available_size())
-        if self.elastic_over_limit():  # shrinking: cached entries would keep (draining) pages backed
-            full_short = max(full_short, int(tree_cache.full_evictable_size()))
-            swa_short = max(swa_short, int(tree_cache.swa_evictable_size()))
-        if full_short or swa_short:
-            tree_cache.evict(EvictParams(num_tokens=full_short, swa_num_tokens=swa_short))
-
-    def check_decode_capacity(
-        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
-    ) -> bool:
-        """Whether the next decode step's ``num_tokens`` can be backed on both sides after eviction, and no
-        request must be retracted for either side's drain; False makes SGLang retract requests
-        (``ScheduleBatch.retract_decode``)."""
-        self.evict_to_free_tokens(tree_cache, num_tokens)
-        if any(sub.elastic_must_retract(requests) for sub in self.elastic_parts()):
-            return False
-        return min(self.elastic_full_available_size(), self.elastic_swa_available_size()) >= num_tokens
+        full = evict_shortfall(
+            self.full_attn_allocator, int(tree_cache.full_evictable_size()), num_tokens, max_cached_tokens
+        )
+        swa = evict_shortfall(
+            self.swa_attn_allocator, int(tree_cache.swa_evictable_size()), num_tokens, max_cached_tokens
+        )
+        if full or swa:
+            tree_cache.evict(EvictParams(num_tokens=full, swa_num_tokens=swa))
 
     def elastic_parts(self) -> tuple[ElasticAllocatorMixin, ...]:
         """The elastic allocators this composite drives: the full-attention side, then the SWA side."""
@@ -295,42 +287,3 @@ class ElasticSWATokenToKVPoolAllocator(SWATokenToKVPoolAllocator):
             return None
         result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         return result
-
-    # -- once per engine step; idle; sleep ---------------------------------------------------------------
-
-    def free_group_begin(self) -> None:
-        """SGLang's free group (the full side opens its own, which starts its release epoch); the SWA
-        side, which SGLang frees outside any group of its own, starts its epoch here."""
-        super().free_group_begin()
-        self.swa_attn_allocator.elastic_step_begin()
-
-    def free_group_end(self) -> None:
-        """SGLang's frees (SWA side, then the full side's group and housekeeping), then the SWA side's."""
-        super().free_group_end()
-        self.swa_attn_allocator.elastic_step_end()
-
-    def verify_byte_accounting(self) -> list[str]:
-        """SGLang's idle diagnostic on both sides, each violation prefixed with its side (see
-        :meth:`ElasticAllocatorMixin.verify_byte_accounting`)."""
-        violations: list[str] = []
-        for part, sub in (("full", self.full_attn_allocator), ("swa", self.swa_attn_allocator)):
-            violations += [f"{part}: {text}" for text in sub.verify_byte_accounting()]
-        return violations
-
-    def elastic_over_limit(self) -> bool:
-        """True while either pool holds more than its limit."""
-        return self.full_attn_allocator.elastic_over_limit() or self.swa_attn_allocator.elastic_over_limit()
-
-    def elastic_note_retracted(self, requests: int) -> None:
-        """Count retracted requests once, in the full-attention pool's snapshot."""
-        self.full_attn_allocator.elastic_note_retracted(requests)
-
-    def elastic_sleep(self) -> None:
-        """Both pools released their KV memory (``release_memory_occupation``): unmap both reserves."""
-        self.full_attn_allocator.elastic_sleep()
-        self.swa_attn_allocator.elastic_sleep()
-
-    def elastic_wake(self) -> None:
-        """Both pools map on demand again."""
-        self.full_attn_allocator.elastic_wake()
-        self.swa_attn_allocator.elastic_wake()
