@@ -35,7 +35,7 @@ def _pool(elastic: bool, monkeypatch: pytest.MonkeyPatch, registry: Path, chunk:
 
 def _allocator(elastic: bool, pool: Any) -> Any:
     if elastic:
-        from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator as cls
+        from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator as cls
     else:
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator as cls
     return cls(SIZE, torch.float32, "cpu", pool, False)

@@ -88,7 +88,7 @@ def test_every_private_member_the_plugin_uses_is_listed() -> None:
     listed |= {name for names in compat.INSTANCE_MEMBERS.values() for name in names}
     used: set[str] = set()
     own: set[str] = set()
-    for path in (REPO_ROOT / "packages" / "sglang-elastic-kv" / "src" / "sglang_elastic_kv").glob("*.py"):
+    for path in (REPO_ROOT / "packages" / "sglang-elastic-kv" / "src" / "sglang_elastic_kv").rglob("*.py"):
         more_used, more_own = _private_names(ast.parse(path.read_text()))
         used |= more_used
         own |= more_own

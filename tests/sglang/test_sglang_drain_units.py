@@ -35,7 +35,8 @@ def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 def _allocator(page_size: int) -> Any:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: F401  (SGLang first)
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
     pool = ElasticMHATokenToKVPool(SIZE, page_size, torch.float32, H, D, LAYERS, "cpu", False)

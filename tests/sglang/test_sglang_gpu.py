@@ -19,7 +19,7 @@ H, D, LAYERS = 8, 128, 4
 
 
 def test_cuda_pool_roundtrip_and_deferred_release(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
     tmp_path.chmod(0o700)

@@ -301,7 +301,7 @@ def test_the_token_allocator_drives_the_state_pool(hybrid: Any) -> None:
     drives the Mamba slot allocator's release epochs, idle checks and sleep (the configure hook attaches
     it); a native request pool under an elastic KV cache fails start-up."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
-    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import verify_configured_after
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
@@ -342,7 +342,7 @@ def test_admission_counts_the_state_slots_that_can_be_backed(hybrid: Any) -> Non
     new requests as state slots can be backed now or freed by evicting cached states, then none (so a
     tight device budget delays requests); a chunk of a running request takes no new slot."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
-    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import verify_configured_after
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 

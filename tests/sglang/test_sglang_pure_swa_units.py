@@ -62,7 +62,7 @@ def _pure_pool(pool_cls: Any = None) -> Any:
 
 @pytest.fixture
 def pure(env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
-    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
+    from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
 
     pool = _pure_pool()
     alloc = ElasticPureSWAAllocator(SIZE_SWA, 1, torch.float32, "cpu", pool, False)
@@ -115,7 +115,7 @@ def test_capacity_hooks_follow_the_limit(pure: tuple[Any, Any], tmp_path: Path) 
 
 def test_admission_budget_sees_the_one_pool(pure: tuple[Any, Any]) -> None:
     from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
-    from sglang_elastic_kv.swa import ElasticSWAPrefillBudget
+    from sglang_elastic_kv.allocator.swa import ElasticSWAPrefillBudget
 
     _, alloc = pure
 
@@ -140,7 +140,7 @@ def test_admission_budget_sees_the_one_pool(pure: tuple[Any, Any]) -> None:
 def test_sleep_unmaps_everything_but_the_null_page_and_releases_cached_handles(
     env: pytest.MonkeyPatch,
 ) -> None:
-    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
+    from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
 
     env.setenv("ELASTIC_KV_RESERVE_MIN", "2")
     env.setenv("ELASTIC_KV_RESERVE_MAX", "4")
@@ -167,8 +167,8 @@ def test_sleep_unmaps_everything_but_the_null_page_and_releases_cached_handles(
 def test_builder_swaps_sglangs_pure_allocator_and_checks_the_pool(pure: tuple[Any, Any]) -> None:
     from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
     from sglang_elastic_kv.hooks import build_allocator_around, is_elastic_allocator
-    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
 
     pool, _ = pure
     built = build_allocator_around(

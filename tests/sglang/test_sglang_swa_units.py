@@ -67,7 +67,7 @@ def _close(pool: Any) -> None:
 
 
 def _make(page_size: int) -> tuple[Any, Any]:
-    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
 
     pool = _swa_pool(page_size)
     return pool, ElasticSWATokenToKVPoolAllocator(
@@ -109,7 +109,7 @@ def _alloc(alloc: Any, lens: list[int]) -> torch.Tensor | None:
 
 
 def test_both_sub_pools_are_elastic_and_registered(swa: tuple[Any, Any], tmp_path: Path) -> None:
-    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+    from sglang_elastic_kv.allocator.base import ElasticAllocatorMixin
 
     pool, alloc = swa
     for sub, sub_pool in (
@@ -301,8 +301,8 @@ def test_sleep_unmaps_both_reserves(swa: tuple[Any, Any], env: pytest.MonkeyPatc
 
 def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import build_allocator_around, verify_configured_after
-    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
     pool = _swa_pool(1)
     try:
@@ -327,8 +327,8 @@ def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatc
 
 def test_non_elastic_or_mla_sub_pools_are_refused(env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
-    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
 
     plain = _swa_pool(1, pool_cls=MHATokenToKVPool)
     with pytest.raises(ConfigError, match="full_kv_pool is MHATokenToKVPool"):

@@ -51,7 +51,7 @@ def _backed(pool: Any, slots: torch.Tensor) -> bool:
 
 @pytest.fixture
 def token_setup(env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
-    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 
     env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
     _, pool = _pools(4096, 1)
@@ -62,7 +62,7 @@ def token_setup(env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture
 def paged_setup(env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
     _, pool = _pools(4096, 16)
     alloc = ElasticPagedTokenToKVPoolAllocator(4096, 16, torch.float32, "cpu", pool, False)
@@ -97,7 +97,7 @@ def test_mha_refuses_post_capture_sizing(env: pytest.MonkeyPatch) -> None:
 
 def test_mla_pool_over_elastic_spaces(env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMLATokenToKVPool
 
     native = MLATokenToKVPool(2048, 16, torch.float32, 64, 32, LAYERS, "cpu", False)
@@ -163,7 +163,7 @@ def test_token_free_returns_chunks_and_clear_returns_everything(token_setup: tup
 
 
 def test_token_alloc_under_a_limit(env: pytest.MonkeyPatch) -> None:
-    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 
     env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
     _, probe = _pools(4096, 1)
@@ -225,7 +225,7 @@ def test_paged_extend_and_decode_use_ledger_pages(paged_setup: tuple[Any, Any]) 
 
 
 def test_paged_alloc_fails_cleanly_when_the_ledger_cannot_back(env: pytest.MonkeyPatch) -> None:
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
     _, probe = _pools(4096, 16)
     page_bytes = probe.elastic.geometry.page_bytes
@@ -266,7 +266,7 @@ def _insert(cache: Any, alloc: Any, first: int, n: int) -> None:
 
 def test_eviction_follows_physical_headroom(env: pytest.MonkeyPatch) -> None:
     """Logical room is plentiful; backable room is not: evict_to_free_tokens evicts for the latter."""
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
     _, probe = _pools(4096, 16)
     page_bytes = probe.elastic.geometry.page_bytes
@@ -351,7 +351,7 @@ def test_retracted_requests_prefixes_are_evicted_while_the_pool_is_over_its_limi
 
 def test_platform_hooks_answer_elastic_classes_only_where_the_platform_has_none() -> None:
     from sglang.srt.platforms.cpu import CpuSRTPlatform
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import kv_pool_cls_after, paged_allocator_cls_after
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
 
@@ -367,7 +367,7 @@ def test_platform_hooks_answer_elastic_classes_only_where_the_platform_has_none(
 def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: tuple[Any, Any]) -> None:
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import build_allocator_around
 
     pool, _ = token_setup

@@ -108,7 +108,7 @@ def draining_page_mask(ledger: Any, device: Any) -> torch.Tensor | None:
 
 def holds_draining(allocator: Any, requests: Sequence[Any], req_to_token: Any) -> list[bool]:
     """For each of ``requests``, whether it holds a slot on one of ``allocator``'s draining pages (an
-    elastic allocator: :class:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin`). Computed on the
+    elastic allocator: :class:`~sglang_elastic_kv.allocator.base.ElasticAllocatorMixin`). Computed on the
     table's device for the whole batch, with one small read back (a flag per request)."""
     ledger = allocator._ledger
     if not ledger.draining or not requests:

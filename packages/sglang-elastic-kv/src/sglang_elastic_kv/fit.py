@@ -6,7 +6,7 @@ blocks requests can hold under it (:attr:`elastic_kv.ledger.Ledger.max_request_b
 requests against the logical pool, so under a ceiling a request can need more than the pool may ever back:
 
 * a waiting request (new, or retracted) whose prompt and output so far need more blocks than that is
-  deferred by admission (:class:`~sglang_elastic_kv.allocators.ElasticPrefillBudget`) at every pass, for
+  deferred by admission (:class:`~sglang_elastic_kv.allocator.base.ElasticPrefillBudget`) at every pass, for
   good. An AFTER hook on ``Scheduler._poll_timeout_aborts`` -- where SGLang produces the aborts of requests
   that waited or ran too long, on the rank that broadcasts input -- adds an ``AbortReq`` for each such
   request, with a 503 and a message that says why; SGLang's own ``abort_request`` then drops it from the

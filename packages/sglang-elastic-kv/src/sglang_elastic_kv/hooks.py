@@ -9,11 +9,12 @@
 3. ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (AROUND): page_size 1 builds
    ``TokenToKVPoolAllocator`` without asking the platform, and no platform seam names the hybrid SWA
    allocator; the plain allocator SGLang built is swapped for the elastic one over the same pool
-   (``SWATokenToKVPoolAllocator`` for :class:`~sglang_elastic_kv.swa.ElasticSWATokenToKVPoolAllocator`,
-   built with the same arguments, whose sub-allocators are elastic at every page size). Then the result is
-   checked: an allocator kind the plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or
-   a non-elastic pool under it fails start-up with ConfigError. The all-sliding
-   ``PureSWATokenToKVPoolAllocator`` becomes :class:`~sglang_elastic_kv.pure_swa.ElasticPureSWAAllocator`.
+   (``SWATokenToKVPoolAllocator`` for
+   :class:`~sglang_elastic_kv.allocator.swa.ElasticSWATokenToKVPoolAllocator`, built with the same arguments,
+   whose sub-allocators are elastic at every page size). Then the result is checked: an allocator kind the
+   plugin does not serve (HiSparse, page interleave, DeepSeek-V4 ...) or a non-elastic pool under it fails
+   start-up with ConfigError. The all-sliding ``PureSWATokenToKVPoolAllocator`` becomes
+   :class:`~sglang_elastic_kv.allocator.pure_swa.ElasticPureSWAAllocator`.
    Over a Mamba / linear hybrid's ``HybridLinearKVPool`` the allocator backs its elastic full-attention
    pool. Speculative decoding (any ``--speculative-algorithm``) is refused here (:func:`refuse_speculative`)
    and already by a BEFORE hook on ``Scheduler.__init__`` (:func:`refuse_unserved_before`), since SGLang
@@ -119,7 +120,7 @@ def kv_pool_cls_after(result: type | None, platform: Any, *args: Any, kind: str 
 
 def paged_allocator_cls_after(result: type | None, platform: Any, *args: Any, **kwargs: Any) -> type:
     """The elastic paged allocator where the platform answered None."""
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
     if result is not None and not issubclass(result, ElasticPagedTokenToKVPoolAllocator):
         raise ConfigError(
@@ -131,9 +132,9 @@ def paged_allocator_cls_after(result: type | None, platform: Any, *args: Any, **
 
 def is_elastic_allocator(allocator: Any) -> bool:
     """Whether ``allocator`` is one of the plugin's (token, paged, or the SWA composite over them)."""
-    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
-    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
-    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.base import ElasticAllocatorMixin
+    from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
+    from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
 
     return isinstance(
         allocator, (ElasticAllocatorMixin, ElasticSWATokenToKVPoolAllocator, ElasticPureSWAAllocator)
@@ -164,7 +165,7 @@ def refuse_unserved_before(scheduler: Any, server_args: Any, *args: Any, **kwarg
 
 def follow_scheduler_after(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``Scheduler.__init__``: every elastic allocator of the scheduler follows its running decode
-    batch (:meth:`~sglang_elastic_kv.allocators.ElasticAllocatorMixin.elastic_follow`)."""
+    batch (:meth:`~sglang_elastic_kv.allocator.base.ElasticAllocatorMixin.elastic_follow`)."""
     from sglang_elastic_kv import compat
 
     allocator = scheduler.token_to_kv_pool_allocator
@@ -220,9 +221,10 @@ def build_allocator_around(original: Any, configurator: Any, *args: Any, **kwarg
     from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator, SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    from sglang_elastic_kv.allocators import ElasticPagedTokenToKVPoolAllocator, ElasticTokenToKVPoolAllocator
-    from sglang_elastic_kv.pure_swa import ElasticPureSWAAllocator
-    from sglang_elastic_kv.swa import ElasticSWATokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
+    from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
+    from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 
     spec = configurator.spec_algorithm
     refuse_speculative(None if spec.is_none() else str(spec.name))
@@ -289,7 +291,7 @@ def verify_configured_after(result: Any, configurator: Any, *args: Any, **kwargs
 def attach_state_pool(allocator: Any, req_to_token_pool: Any) -> None:
     """A Mamba / linear hybrid: its state pool must be elastic, and its slot allocator follows the token
     allocator's release epochs, idle checks and sleep/wake (:meth:`ElasticAllocatorMixin.elastic_attach`)."""
-    from sglang_elastic_kv.allocators import ElasticAllocatorMixin
+    from sglang_elastic_kv.allocator.base import ElasticAllocatorMixin
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
 
     if not isinstance(req_to_token_pool, ElasticHybridReqToTokenPool):

@@ -12,7 +12,7 @@ only where the buffer storage comes from, which is the seam SGLang's ``get_kv_po
 
 A *block* is the unit the ledger hands out: an SGLang page when ``page_size > 1`` (block id = page
 id), and a chunk of ``ELASTIC_KV_SGLANG_TOKEN_CHUNK`` token slots when ``page_size == 1`` (see
-:mod:`sglang_elastic_kv.allocators`). Block 0 holds the padding slot/page 0 that SGLang writes dummy
+:mod:`sglang_elastic_kv.allocator`). Block 0 holds the padding slot/page 0 that SGLang writes dummy
 tokens to; the ledger keeps it backed for the pool's lifetime.
 
 Configurations whose storage SGLang carves differently (quantized KV, post-capture VMM sizing, HND or

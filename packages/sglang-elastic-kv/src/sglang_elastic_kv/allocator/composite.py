@@ -1,9 +1,9 @@
 """What SGLang's two sliding-window allocators do alike over their elastic parts.
 
-:class:`~sglang_elastic_kv.swa.ElasticSWATokenToKVPoolAllocator` (a full-attention side and a
-sliding-window side, two pools) and :class:`~sglang_elastic_kv.pure_swa.ElasticPureSWAAllocator` (one pool
-serving both faces) are composites: SGLang's free groups, decode checks, idle diagnostic and sleep reach
-the composite, which drives its elastic sub-allocators (:meth:`ElasticCompositeMixin.elastic_parts`).
+:class:`~.swa.ElasticSWATokenToKVPoolAllocator` (a full-attention side and a sliding-window side, two pools)
+and :class:`~.pure_swa.ElasticPureSWAAllocator` (one pool serving both faces) are composites: SGLang's free
+groups, decode checks, idle diagnostic and sleep reach the composite, which drives its elastic sub-allocators
+(:meth:`ElasticCompositeMixin.elastic_parts`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ requests) plus what the prefix cache keeps.
 :class:`ElasticPureSWAAllocator` subclasses SGLang's allocator and keeps its logic (its free group,
 frees, SWA eviction); what changes:
 
-* the one sub-allocator is :class:`~sglang_elastic_kv.allocators.ElasticTokenToKVPoolAllocator` over the
+* the one sub-allocator is :class:`~sglang_elastic_kv.allocator.base.ElasticTokenToKVPoolAllocator` over the
   same sub-pool (registry record ``<name>-swa``), so every slot SGLang receives is backed;
 * the scheduler's capacity hooks (admission budget, decode capacity, eviction) see what the pool can back
   now; ``available_size`` and its ``full_`` / ``swa_`` faces stay logical for SGLang's idle leak check;
@@ -31,10 +31,11 @@ from sglang.srt.mem_cache.prefill_budget import SWAPrefillBudget
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
 from sglang_elastic_kv import compat
-from sglang_elastic_kv.allocators import ElasticTokenToKVPoolAllocator, evict_shortfall
-from sglang_elastic_kv.composite import ElasticCompositeMixin
+from sglang_elastic_kv.allocator.base import evict_shortfall
+from sglang_elastic_kv.allocator.composite import ElasticCompositeMixin
+from sglang_elastic_kv.allocator.swa import ElasticSWAPrefillBudget
+from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
-from sglang_elastic_kv.swa import ElasticSWAPrefillBudget
 
 __all__ = ["ElasticPureSWAAllocator"]
 
@@ -83,8 +84,8 @@ class ElasticPureSWAAllocator(ElasticCompositeMixin, PureSWATokenToKVPoolAllocat
         )
 
     def elastic_evict(self, tree_cache: Any, num_tokens: int = 0, max_cached_tokens: int = 0) -> None:
-        """Evict prefix-cache entries as :func:`~sglang_elastic_kv.allocators.evict_shortfall` says for the
-        one pool (plain ``evict``, the count on both faces as SGLang's own all-SWA path asks)."""
+        """Evict prefix-cache entries as :func:`~.base.evict_shortfall` says for the one pool (plain
+        ``evict``, the count on both faces as SGLang's own all-SWA path asks)."""
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return
         count = evict_shortfall(

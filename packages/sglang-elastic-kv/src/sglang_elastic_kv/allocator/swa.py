@@ -24,7 +24,7 @@ free groups, SWA eviction, its kernels); what changes:
   ledger gets its step housekeeping (release epoch, reserve, ``kvctl`` limit, snapshot) from here.
 
 All-sliding models (SGLang's ``PureSWATokenToKVPoolAllocator``) are served by
-:mod:`sglang_elastic_kv.pure_swa`. Not served (ConfigError at start-up): the per-request SWA ring
+:mod:`sglang_elastic_kv.allocator.pure_swa`. Not served (ConfigError at start-up): the per-request SWA ring
 (DeepSeek-V4-style pools) and sub-pools that are not elastic MHA pools (MLA-SWA hybrids).
 """
 
@@ -44,15 +44,15 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.utils import get_num_new_pages
 
 from sglang_elastic_kv import compat
-from sglang_elastic_kv.allocators import (
+from sglang_elastic_kv.allocator.base import (
     ElasticAllocatorMixin,
-    ElasticPagedTokenToKVPoolAllocator,
-    ElasticTokenToKVPoolAllocator,
     evict_shortfall,
     refresh_headroom,
     room_after_eviction,
 )
-from sglang_elastic_kv.composite import ElasticCompositeMixin
+from sglang_elastic_kv.allocator.composite import ElasticCompositeMixin
+from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
+from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
 __all__ = ["ElasticSWAPrefillBudget", "ElasticSWATokenToKVPoolAllocator"]
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 class ElasticSWAPrefillBudget(SWAPrefillBudget):
     """SGLang's SWA admission budget over what each side can back now, evictable cached tokens counted
-    only up to each pool's limit (:func:`~sglang_elastic_kv.allocators.room_after_eviction`). With
+    only up to each pool's limit (:func:`~sglang_elastic_kv.allocator.base.room_after_eviction`). With
     ``all_swa`` (an all-sliding model, one pool) both faces are the SWA side's, as in SGLang's budget."""
 
     def __init__(
@@ -176,11 +176,10 @@ class ElasticSWATokenToKVPoolAllocator(ElasticCompositeMixin, SWATokenToKVPoolAl
         return ElasticSWAPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def elastic_evict(self, tree_cache: Any, num_tokens: int = 0, max_cached_tokens: int = 0) -> None:
-        """Evict prefix-cache entries on each side as :func:`~sglang_elastic_kv.allocators.evict_shortfall`
-        says for that side's pool (room for ``num_tokens``, everything while over its limit, the bound
-        ``max_cached_tokens``), with the cache's plain ``evict``: its allocation-driven variant measures
-        the shortfalls against the sub-pools' logical sizes, which an elastic pool may satisfy while
-        memory is short."""
+        """Evict prefix-cache entries on each side as :func:`~.base.evict_shortfall` says for that side's
+        pool (room for ``num_tokens``, everything while over its limit, the bound ``max_cached_tokens``),
+        with the cache's plain ``evict``: its allocation-driven variant measures the shortfalls against the
+        sub-pools' logical sizes, which an elastic pool may satisfy while memory is short."""
         if tree_cache is None or not tree_cache.supports_prefix_sharing():
             return
         full = evict_shortfall(

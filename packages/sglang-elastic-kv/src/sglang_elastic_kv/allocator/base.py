@@ -1,18 +1,13 @@
-"""SGLang token allocators whose slots come from the elastic ledger.
+"""What the elastic SGLang allocators share: capacity as SGLang's scheduler sees it, eviction, the decode
+promise, and the per-step ledger housekeeping (:class:`ElasticAllocatorMixin`); the admission budget.
 
-Both subclass SGLang's own allocators and keep their free lists, kernels and free-group handling; what
-changes is that the free list holds only slots that are *backed*, and that backing is taken from and
-returned to the ledger (:class:`elastic_kv.ledger.Ledger`), which maps pages before it hands a
-block out. So every index SGLang receives points at backed memory.
-
-* :class:`ElasticPagedTokenToKVPoolAllocator` (page_size > 1): ledger block id = SGLang page id. Pages
-  are taken from the ledger right before an allocation needs them and given back as SGLang frees them.
-* :class:`ElasticTokenToKVPoolAllocator` (page_size 1): one ledger block per page would cost a ledger
-  call per token on the decode path, so a block is a chunk of ``rows_per_block`` token slots
-  (``ELASTIC_KV_SGLANG_TOKEN_CHUNK``). Allocation stays SGLang's slice of the free-slot tensor; a short
-  free list grows by whole chunks; a chunk goes back to the ledger once all its slots are free again
-  (checked after at least a chunk's worth of frees, by one ``bincount`` over the free list, which is
-  then sorted so that low, already backed chunks fill first and high ones drain).
+Every elastic allocator subclasses SGLang's own and keeps its free lists, kernels and free-group handling;
+what changes is that the free list holds only slots that are *backed*, and that backing is taken from and
+returned to the ledger (:class:`elastic_kv.ledger.Ledger`), which maps pages before it hands a block out.
+So every index SGLang receives points at backed memory. The kinds, one module each as in SGLang's
+``mem_cache/allocator/``: :mod:`.token` (page_size 1), :mod:`.paged` (page_size > 1), :mod:`.swa` (hybrid
+sliding window: two pools) and :mod:`.pure_swa` (all sliding: one pool), the last two sharing
+:mod:`.composite`.
 
 Capacity has two faces. ``available_size()`` stays *logical* (free slots whether backed or not), because
 SGLang's idle leak check requires ``available + evictable + ... == max_total_num_tokens``.
@@ -44,20 +39,15 @@ from typing import Any
 
 import torch
 from elastic_kv.errors import ConfigError
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
-from sglang.srt.utils import get_num_new_pages
 
 from sglang_elastic_kv import compat, drain
 from sglang_elastic_kv.pool import ElasticKVPool
 
 __all__ = [
     "ElasticAllocatorMixin",
-    "ElasticPagedTokenToKVPoolAllocator",
     "ElasticPrefillBudget",
-    "ElasticTokenToKVPoolAllocator",
     "evict_shortfall",
     "refresh_headroom",
     "room_after_eviction",
@@ -400,282 +390,3 @@ class ElasticAllocatorMixin:
             self._promised = 0
             return False
         return self.elastic_promise(num_tokens)
-
-
-class ElasticTokenToKVPoolAllocator(ElasticAllocatorMixin, TokenToKVPoolAllocator):
-    """``TokenToKVPoolAllocator`` (page_size 1) over ledger blocks of ``rows_per_block`` token slots."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
-        self._ledger = self._ledger_of(kvcache)
-        chunk = int(self._elastic_pool.rows_per_block)
-        self._chunk = chunk
-        self._num_chunks = -(-(size + 1) // chunk)
-        # Slots a chunk contributes: slot 0 (padding) is never handed out; the last chunk may be short.
-        cap = torch.full((self._num_chunks,), chunk, dtype=torch.int64)
-        cap[0] -= 1
-        cap[-1] = (size + 1) - (self._num_chunks - 1) * chunk - (1 if self._num_chunks == 1 else 0)
-        self._cap_cpu = cap
-        self._last_chunk = self._num_chunks - 1
-        self._chunk_offsets = torch.arange(chunk, dtype=torch.int64)
-        self._grow_step = self._elastic_pool.elastic.geometry.blocks_per_page
-        self._cap = cap.to(device)
-        super().__init__(size, dtype, device, kvcache, need_sort)
-        compat.check_instance(self, "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator")
-
-    # -- bookkeeping -------------------------------------------------------------------------------
-
-    def clear(self) -> None:
-        """Free every slot and give every chunk but the padding one back to the ledger (unmapped there)."""
-        super().clear()
-        self._ledger.clear()
-        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
-        # Chunk 0 is the ledger's null block: always backed, so its slots 1..chunk-1 are always usable.
-        self._owned = torch.zeros(self._num_chunks, dtype=torch.bool, device=self.device)
-        self._backed_tokens = int(self._cap_cpu[0])
-        self.free_pages = torch.arange(1, 1 + self._backed_tokens, dtype=torch.int64, device=self.device)
-        # Free slots on draining pages, out of the free list until their chunk empties or the drain ends.
-        self._withheld = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._freed_since_check = 0
-
-    def _held_blocks(self) -> int:
-        return int(self._owned.sum())
-
-    def available_size(self) -> int:
-        """Logical free slots (backed or not): ``size`` minus the slots SGLang holds."""
-        held = self._backed_tokens - len(self.free_pages) - len(self.release_pages) - len(self._withheld)
-        return self.size - held
-
-    def elastic_available_size(self) -> int:
-        """Free backed slots plus the slots of every block the ledger can still back now."""
-        backed_free = len(self.free_pages) + len(self.release_pages)
-        return min(self.available_size(), backed_free + self._ledger.available_size() * self._chunk)
-
-    # -- allocation ---------------------------------------------------------------------------------
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """SGLang's ``alloc``; a free list shorter than ``need_size`` first grows by whole backed chunks."""
-        if not self.ensure_backed(need_size):
-            return None
-        self._promised = 0
-        result: torch.Tensor | None = super().alloc(need_size)
-        return result
-
-    def ensure_backed(self, num_pages: int) -> bool:
-        """At least ``num_pages`` backed free slots (see :meth:`ElasticAllocatorMixin.ensure_backed`)."""
-        if num_pages > len(self.free_pages):
-            self.merge_and_sort_free()
-            short = num_pages - len(self.free_pages)
-            if short > 0 and not self._grow(short):
-                return False
-        return True
-
-    def give_back_unused(self) -> None:
-        """Chunks whose slots are all free go back to the ledger (see
-        :meth:`ElasticAllocatorMixin.give_back_unused`)."""
-        self._release_empty_chunks()
-
-    def _grow(self, tokens: int) -> bool:
-        """Take chunks from the ledger until ``tokens`` more slots are backed; all or nothing.
-
-        Asks for a whole logical page of chunks at a time when the ledger can back it (a page is mapped as
-        one unit anyway, so its other chunks cost no memory), which keeps ledger calls off most decode
-        steps; under pressure it asks for just what is missing.
-        """
-        need = -(-tokens // self._chunk)
-        new = self._ledger.alloc(self._grow_step) if self._grow_step > need else None
-        if new is None:
-            new = self._ledger.alloc(need)
-            if new is None:
-                return False
-        got = self._slots_in(new)
-        if got < tokens:  # the short last chunk was among them: one more round
-            more = self._ledger.alloc(-(-(tokens - got) // self._chunk))
-            if more is None:
-                self._ledger.free(new)
-                return False
-            new += more
-            got += self._slots_in(more)
-        ids = torch.tensor(new, dtype=torch.int64)
-        slots = (ids[:, None] * self._chunk + self._chunk_offsets).reshape(-1)
-        if self._last_chunk in new:
-            slots = slots[slots <= self.size]
-        slots = slots.to(self.device)
-        self.free_pages = torch.cat((self.free_pages, slots))
-        self._owned[ids.to(self.device)] = True
-        self._backed_tokens += got
-        return True
-
-    def _slots_in(self, chunks: list[int]) -> int:
-        got = len(chunks) * self._chunk
-        if self._last_chunk in chunks:
-            got -= self._chunk - int(self._cap_cpu[self._last_chunk])
-        return got
-
-    def free(self, free_index: torch.Tensor) -> None:
-        """SGLang's ``free``; then chunks whose slots are all free again go back to the ledger."""
-        super().free(free_index)
-        if self.free_group is None and free_index.numel() > 0:
-            self._freed_since_check += free_index.numel()
-            if self._freed_since_check >= self._chunk:
-                self._release_empty_chunks()
-
-    def _follow_drain(self) -> None:
-        """Free slots on draining pages leave the free list (their chunks go back to the ledger as they
-        empty); when no page drains any more, they return to it. Not while a decode check's promise is
-        open (:meth:`elastic_promise`): the next step's housekeeping does it."""
-        if self._promised:
-            return
-        on_draining = drain.draining_page_mask(self._ledger, self.device)
-        if on_draining is not None:
-            self.merge_and_sort_free()
-            free = self.free_pages
-            withhold = on_draining[free // (self._chunk * self._grow_step)]
-            if bool(withhold.any()):
-                self._withheld = torch.cat((self._withheld, free[withhold]))
-                self.free_pages = free[~withhold]
-            self._release_empty_chunks()
-        elif len(self._withheld):
-            self.free_pages = torch.sort(torch.cat((self.free_pages, self._withheld))).values
-            self._withheld = self._withheld[:0]
-
-    def _release_empty_chunks(self) -> None:
-        if self._promised:  # the promised slots stay backed until the decode allocation takes them
-            return
-        self._freed_since_check = 0
-        self.merge_and_sort_free()
-        free, withheld = self.free_pages, self._withheld
-        counts = torch.bincount(torch.cat((free, withheld)) // self._chunk, minlength=self._num_chunks)
-        empty = (counts == self._cap) & self._owned
-        chunks = empty.nonzero().flatten()
-        if chunks.numel() == 0:
-            return
-        # Low slots first: backed chunks fill densely, high ones drain and can be returned.
-        self.free_pages = torch.sort(free[~empty[free // self._chunk]]).values
-        self._withheld = withheld[~empty[withheld // self._chunk]]
-        self._owned[chunks] = False
-        released = chunks.tolist()
-        self._backed_tokens -= int(self._cap_cpu[released].sum())
-        self._ledger.free(released)
-
-
-class ElasticPagedTokenToKVPoolAllocator(ElasticAllocatorMixin, PagedTokenToKVPoolAllocator):
-    """``PagedTokenToKVPoolAllocator`` whose page ids are ledger blocks (block id = SGLang page id)."""
-
-    def __init__(
-        self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
-    ) -> None:
-        self._ledger = self._ledger_of(kvcache)
-        if int(self._elastic_pool.rows_per_block) != page_size:
-            raise ConfigError(
-                f"elastic paged allocator: the pool's blocks hold {self._elastic_pool.rows_per_block} slots, "
-                f"the allocator's pages {page_size} (DCP-widened pages are not supported)"
-            )
-        self._owned_pages = 0
-        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
-        compat.check_instance(self, "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator")
-
-    def clear(self) -> None:
-        """Free every page and give all of them back to the ledger."""
-        super().clear()
-        self._ledger.clear()
-        self._ledger.release_through(self._ledger.epoch)  # clear() runs with the engine idle
-        self._owned_pages = 0
-        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
-
-    def _held_blocks(self) -> int:
-        return self._owned_pages
-
-    def available_size(self) -> int:
-        """Logical free slots: every page SGLang does not hold, backed or not."""
-        held = self._owned_pages - len(self.free_pages) - self.num_staged_pages
-        return (self.num_pages - held) * self.page_size
-
-    def elastic_available_size(self) -> int:
-        """Free backed pages plus the pages the ledger can still back now, in slots."""
-        backable = len(self.free_pages) + self.num_staged_pages + self._ledger.available_size()
-        return min(self.available_size(), backable * self.page_size)
-
-    def ensure_backed(self, num_pages: int) -> bool:
-        """Make ``free_pages`` hold at least ``num_pages`` backed pages (ledger blocks); all or nothing."""
-        if num_pages <= len(self.free_pages):
-            return True
-        self.merge_and_sort_free()
-        short = num_pages - len(self.free_pages)
-        if short <= 0:
-            return True
-        new = self._ledger.alloc(short)
-        if new is None:
-            return False
-        self.free_pages = torch.cat(
-            (self.free_pages, torch.tensor(new, dtype=torch.int64, device=self.device))
-        )
-        self._owned_pages += len(new)
-        return True
-
-    def give_back_unused(self) -> None:
-        """Every backed free page goes back to the ledger (:meth:`ElasticAllocatorMixin.give_back_unused`);
-        SGLang's frees go straight to the ledger here, so a free page is one backed ahead of use."""
-        self.merge_and_sort_free()
-        if len(self.free_pages):
-            ids = self.free_pages.tolist()
-            self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
-            self._ledger.free(ids)
-            self._owned_pages -= len(ids)
-
-    def _follow_drain(self) -> None:
-        """Pages backed ahead of use go back to the ledger while pages drain (SGLang's frees already go
-        straight to it), so none on a draining page is handed out; not those a decode check promised."""
-        if self._ledger.draining and not self._promised:
-            self.give_back_unused()
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """SGLang's page-aligned ``alloc`` after backing the pages it will take."""
-        if not self.ensure_backed(need_size // self.page_size):
-            return None
-        self._promised = 0
-        result: torch.Tensor | None = super().alloc(need_size)
-        return result
-
-    def alloc_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        prefix_lens_cpu: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-        num_new_pages: int | None = None,
-    ) -> torch.Tensor | None:
-        """SGLang's ``alloc_extend`` after backing exactly the new pages it needs (counted on the CPU)."""
-        if num_new_pages is None:
-            num_new_pages = get_num_new_pages(
-                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
-            )
-        if not self.ensure_backed(num_new_pages):
-            return None
-        result: torch.Tensor | None = super().alloc_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
-        )
-        return result
-
-    def alloc_decode(
-        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
-    ) -> torch.Tensor | None:
-        """SGLang's ``alloc_decode``; when the backed free pages do not cover the requests that start a
-        page this step (SGLang answers None before touching anything), back them and ask again."""
-        result: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        if result is None:
-            needed = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
-            if not self.ensure_backed(needed):
-                return None
-            result = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        self._promised = 0
-        return result
-
-    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
-        # Every page SGLang frees goes straight back to the ledger, which keeps a mapped reserve of its
-        # own; nothing is staged here, so need_sort (PD) ordering is the ledger's.
-        ids = torch.cat(page_ids).tolist() if len(page_ids) > 1 else page_ids[0].tolist()
-        if ids:
-            self._ledger.free(ids)
-            self._owned_pages -= len(ids)
