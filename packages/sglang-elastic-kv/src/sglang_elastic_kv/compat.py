@@ -352,6 +352,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     f"{_ALLOC}.mamba.MambaSlotAllocator": ("size", "device", "free_slots", "_alloc_iter"),
     f"{_ALLOC}.token.TokenToKVPoolAllocator": (
         "size",
+        "page_size",
         "dtype",
         "device",
         "need_sort",

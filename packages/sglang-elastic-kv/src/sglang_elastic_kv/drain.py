@@ -111,12 +111,10 @@ def holds_draining(allocator: Any, requests: Sequence[Any], req_to_token: Any) -
     elastic allocator: :class:`~sglang_elastic_kv.allocator.base.ElasticAllocatorMixin`). Computed on the
     table's device for the whole batch, with one small read back (a flag per request)."""
     ledger = allocator._ledger
-    if not ledger.draining or not requests:
-        return [False] * len(requests)
-    slots, _, rows = _slot_rows(req_to_token, requests, allocator.elastic_translate)
-    on_draining = draining_page_mask(ledger, slots.device)
+    on_draining = draining_page_mask(ledger, req_to_token.req_to_token.device) if requests else None
     if on_draining is None:
         return [False] * len(requests)
+    slots, _, rows = _slot_rows(req_to_token, requests, allocator.elastic_translate)
     per_page = int(allocator._elastic_pool.rows_per_block) * ledger.geometry.blocks_per_page
     hits = on_draining[slots // per_page].any(dim=1).tolist()  # slot 0's page (the null page) never drains
     out = [False] * len(requests)

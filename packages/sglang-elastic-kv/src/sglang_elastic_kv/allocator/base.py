@@ -164,6 +164,7 @@ class ElasticAllocatorMixin:
         return kvcache.elastic.ledger
 
     _ledger: Any
+    page_size: int  # SGLang's allocator's (1 for the token allocator)
     # Allocators of other elastic memory of this scheduler that follow this one's steps (a hybrid
     # model's Mamba slot allocator, :mod:`sglang_elastic_kv.mamba`).
     _attached: tuple[Any, ...] = ()
@@ -306,7 +307,7 @@ class ElasticAllocatorMixin:
         with nothing taken, when they cannot be backed now (SGLang then retracts)."""
         self._promised = 0
         self._follow_drain()
-        pages = -(-num_tokens // int(getattr(self, "page_size", 1)))
+        pages = -(-num_tokens // self.page_size)
         if not self.ensure_backed(pages):
             return False
         self._promised = pages
