@@ -186,7 +186,12 @@ def main() -> int:
         if i == 2 and args.engine == "sglang":
             entry = sglang_model(path)
         models.append({"name": name, **entry, "weights_bytes": "10M"})
-    server_cfg = {"budget": "24M", "idle_sleep_s": args.idle_sleep, "wake_timeout_s": 600}
+    server_cfg = {
+        "budget": "24M",
+        "host_budget": "64M",
+        "idle_sleep_s": args.idle_sleep,
+        "wake_timeout_s": 600,
+    }
     print("elastic-kv demo: three models, one OpenAI endpoint, a 24 MiB budget that holds two awake")
     for m in models:
         print(f"  {m['name']:<6} {m['engine']:<7} {m['model']}")

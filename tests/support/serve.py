@@ -90,6 +90,9 @@ class ServeProcess:
             "port": self.port,
             "registry_dir": str(self.registry),
             "log_dir": str(workdir / "logs"),
+            # The default (40 % of host memory, prefaulted next to the registry) would put gigabytes on the
+            # temporary directory's file system for every server; the tiny models' weights need a few MiB.
+            "host_budget": "256M",
             **server,
         }
         self.config = write_config(workdir / "models.toml", server, models)
