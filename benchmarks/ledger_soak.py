@@ -28,7 +28,7 @@ from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ledger import Ledger
-from elastic_kv.mapper import LocalMapper
+from elastic_kv.ledger.page_mapper import LocalMapper
 
 KIB = 1024
 

@@ -229,7 +229,7 @@ def main() -> int:
             print(f"  {line}")
         print("  $ kvctl list   (the pools of the awake engines, in the server's registry)")
         listed = subprocess.run(
-            [sys.executable, "-m", "elastic_kv.kvctl", "--registry-dir", str(server.registry), "list"],
+            [sys.executable, "-m", "elastic_kv.cli.kvctl", "--registry-dir", str(server.registry), "list"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         for line in (listed.stdout + listed.stderr).rstrip().splitlines():

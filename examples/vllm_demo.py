@@ -202,7 +202,7 @@ class LiveView(threading.Thread):
 def kvctl_list(registry: Path) -> None:
     print("  $ kvctl list")
     out = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "--registry-dir", str(registry), "list"],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "--registry-dir", str(registry), "list"],
         capture_output=True,
         text=True,
         check=False,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from elastic_kv.geometry import BlockGeometry, strided_families
 from elastic_kv.ledger import Ledger
-from elastic_kv.mapper import AsyncPageMapper, LocalMapper, PageMapper
+from elastic_kv.ledger.page_mapper import AsyncPageMapper, LocalMapper, PageMapper
 from elastic_kv.ranks.coordinator import Coordinator
 from elastic_kv.ranks.local import SocketListener, socket_dir, socket_path
 from elastic_kv.ranks.rank import Rank

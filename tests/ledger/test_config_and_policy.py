@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from elastic_kv.config import ElasticConfig, parse_size
 from elastic_kv.errors import ConfigError
-from elastic_kv.reserve import ReservePolicy
+from elastic_kv.ledger.reserve import ReservePolicy
 from elastic_kv.snapshot import SNAPSHOT_SCHEMA, PoolSnapshot, PoolState
 
 

@@ -55,11 +55,12 @@ def spawn_pool(child_env: dict[str, str]) -> Iterator[Callable[..., PoolProcess]
 
 @pytest.fixture
 def kvctl(child_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Run the real CLI (``python -m elastic_kv.kvctl``) in a child process against this test's registry."""
+    """Run the real CLI (``python -m elastic_kv.cli.kvctl``) in a child process against this test's
+    registry."""
 
     def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "elastic_kv.kvctl", *args],
+            [sys.executable, "-m", "elastic_kv.cli.kvctl", *args],
             env=child_env,
             capture_output=True,
             text=True,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic_kv.kvctl import EXIT_BAD_ARGUMENT, EXIT_REFUSED, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
+from elastic_kv.cli.kvctl import EXIT_BAD_ARGUMENT, EXIT_REFUSED, EXIT_REGISTRY, EXIT_TIMEOUT, EXIT_UNKNOWN
 from elastic_kv.registry import Registry
 
 from limits.helpers import PoolProcess
@@ -191,7 +191,7 @@ def test_unusable_registry_directory_exits_4(tmp_path: Path, child_env: dict[str
     loose.mkdir()
     os.chmod(loose, 0o755)
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "--registry-dir", str(loose), "list"],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "--registry-dir", str(loose), "list"],
         env=child_env,
         capture_output=True,
         text=True,
@@ -207,7 +207,7 @@ def test_kvctl_reads_no_setting_it_does_not_use(
     """A bad engine setting in the operator's shell concerns the engines, not kvctl."""
     env = {**child_env, "ELASTIC_KV_PAGE_SIZE": "abc", "ELASTIC_KV_LIMIT": "-1"}
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "list"],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "list"],
         env=env,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from elastic_kv.metrics import RegistryCollector
+from elastic_kv.cli.metrics import RegistryCollector
 from elastic_kv.registry import Registry
 from elastic_kv.registry.layout import HISTOGRAM_BOUNDS
 from prometheus_client import CollectorRegistry, generate_latest
@@ -117,7 +117,7 @@ def test_kvctl_metrics_prints_the_exposition(
 
 def test_standalone_server(child_env: dict[str, str], busy_pool: PoolProcess) -> None:
     server = subprocess.Popen(
-        [sys.executable, "-m", "elastic_kv.metrics", "--port", "0"],
+        [sys.executable, "-m", "elastic_kv.cli.metrics", "--port", "0"],
         env=child_env,
         stderr=subprocess.PIPE,
         text=True,
@@ -148,7 +148,7 @@ def test_standalone_server_refuses_an_unusable_registry(tmp_path: Path, child_en
     loose.mkdir()
     loose.chmod(0o755)
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.metrics", "--port", "0", "--registry-dir", str(loose)],
+        [sys.executable, "-m", "elastic_kv.cli.metrics", "--port", "0", "--registry-dir", str(loose)],
         env=child_env,
         capture_output=True,
         text=True,

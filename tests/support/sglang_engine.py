@@ -230,7 +230,7 @@ def settled_snapshot(
 def kvctl(registry_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """``kvctl ARGS`` on ``registry_dir``, as a user beside the engine runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", *args],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", *args],
         env=engine_environ({"ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}),
         capture_output=True,
         text=True,

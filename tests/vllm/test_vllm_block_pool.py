@@ -18,7 +18,7 @@ import torch
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.ledger import Ledger
-from elastic_kv.mapper import LocalMapper
+from elastic_kv.ledger.page_mapper import LocalMapper
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager, admission_bound, queued_hits

@@ -126,7 +126,7 @@ def test_kvctl_trim_on_an_idle_engine_returns_the_reserve(llm: Any, registry_dir
     page = pool_snapshot(registry_dir, POOL).page_bytes
     env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "trim", POOL],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -79,7 +79,7 @@ def test_an_idle_engine_returns_to_the_null_page_and_reserve_on_every_stage(
 
     env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "trim", POOL, "--wait", "60"],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "trim", POOL, "--wait", "60"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

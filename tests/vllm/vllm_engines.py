@@ -425,7 +425,7 @@ if __name__ == "__main__" and len(sys.argv) == 2 and sys.argv[1] in _MODES:
 def kvctl(registry_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``kvctl ARGS`` on ``registry_dir``, as a user beside the engine runs it."""
     env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
-    command = [sys.executable, "-m", "elastic_kv.kvctl", *args]
+    command = [sys.executable, "-m", "elastic_kv.cli.kvctl", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 

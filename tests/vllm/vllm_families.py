@@ -485,7 +485,7 @@ def family_engine(family: Family, registry_dir: Path) -> Iterator[Any]:
 def _kvctl_list(registry_dir: Path) -> dict[str, Any]:
     env = {**os.environ, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_kv.kvctl", "list", "--json"],
+        [sys.executable, "-m", "elastic_kv.cli.kvctl", "list", "--json"],
         env=env,
         capture_output=True,
         text=True,

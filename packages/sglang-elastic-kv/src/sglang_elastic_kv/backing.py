@@ -1,7 +1,8 @@
 """The elastic storage behind one SGLang KV pool: spaces, geometry, data-plane group and ledger.
 
 :class:`ElasticBacking` is built once per pool (per scheduler process: SGLang TP ranks each own their
-pool, world size 1, :class:`elastic_kv.mapper.LocalMapper`) from the pool's buffers and block families:
+pool, world size 1, :class:`elastic_kv.ledger.page_mapper.LocalMapper`) from the pool's buffers and block
+families:
 
 * one :class:`elastic_kv._vmm.TensorSpace` per SGLang allocation (a layer's fused K/V tensor, or its
   K and V tensors), reserved at full size so addresses never change; SGLang's tensors are views of them;
@@ -118,7 +119,7 @@ class ElasticBacking:
         from elastic_kv import _vmm
         from elastic_kv.device import default_min_free_bytes
         from elastic_kv.ledger import Ledger
-        from elastic_kv.mapper import LocalMapper
+        from elastic_kv.ledger.page_mapper import LocalMapper
         from elastic_kv.registry import PoolRecord
 
         dev = torch.device(device)

@@ -15,7 +15,7 @@ picks the one matching ``async_scheduling``). They change these things:
   the step, the pool counts only the blocks it holds (the running requests' fast path); a step that
   scheduled nothing for want of memory waits until something may have changed instead of spinning; after
   it, the step's release epoch starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a
-  decode step refills the reserve only below what decode steps take, see :mod:`elastic_kv.reserve`);
+  decode step refills the reserve only below what decode steps take, see :mod:`elastic_kv.ledger.reserve`);
 * ``_preempt_request``: every preemption (vLLM's own, or the limit's) is counted in the pool's record,
   where ``kvctl limit --wait`` reads what a limit cost;
 * ``update_from_output``: pages emptied while that step could still read them are released now, and the

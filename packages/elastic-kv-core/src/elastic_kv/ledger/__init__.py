@@ -2,7 +2,7 @@
 
 :class:`Ledger` issues block ids to an engine and decides, page by page, when physical memory is
 needed. It is the single owner of "which page is backed": the data plane (through a
-:class:`~elastic_kv.mapper.PageMapper`) only executes its decisions, and the shared record
+:class:`~elastic_kv.ledger.page_mapper.PageMapper`) only executes its decisions, and the shared record
 (``elastic_kv.registry.PoolRecord``) is charged for every byte before it is backed.
 
 Page life cycle (``UNMAPPED`` -> ``USED`` <-> ``RESERVE`` / ``PENDING`` -> ``UNMAPPED``)::
@@ -37,8 +37,8 @@ the record and mapping, unmapping, background maps, what a data-plane failure me
 :class:`~elastic_kv.ledger.release.PageRelease` (:mod:`.release`: what happens to pages that empty), one
 :class:`~elastic_kv.ledger.drain.Drain` (:mod:`.drain`: the pages released to meet a lowered limit) and
 one :class:`~elastic_kv.ledger.guard.PoolGuard` (:mod:`.guard`: owner thread, open/closed/inconsistent). The
-physical accounting (limit, shared record, cached headroom) is :mod:`elastic_kv.physical`; the reserve's
-sizing :mod:`elastic_kv.reserve`.
+physical accounting (limit, shared record, cached headroom) is :mod:`.physical`; the reserve's sizing
+:mod:`.reserve`; the protocol through which pages are backed :mod:`.page_mapper`.
 
 Epochs (``defer_release``): the engine calls :meth:`Ledger.advance_epoch` when it launches GPU
 work and :meth:`Ledger.release_through` with that epoch once the work finished. A page emptied

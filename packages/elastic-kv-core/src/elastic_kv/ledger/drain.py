@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 from elastic_kv.ledger.page_backing import PageBacking
 from elastic_kv.ledger.page_book import USED, PageBook
-from elastic_kv.physical import PhysicalAccount
+from elastic_kv.ledger.physical import PhysicalAccount
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
 __all__ = ["Drain", "order_by_holders"]

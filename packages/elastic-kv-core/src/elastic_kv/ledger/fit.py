@@ -1,7 +1,7 @@
 """What fits under a pool's ceiling: the blocks requests can hold, and the bytes a request needs.
 
 A pool's **ceiling** is the most it may ever hold while ``kvctl``'s settings stay as they are: the tightest
-of its limit and its devices' budgets (:meth:`elastic_kv.physical.PhysicalAccount.ceiling`). Other pools'
+of its limit and its devices' budgets (:meth:`.physical.PhysicalAccount.ceiling`). Other pools'
 charges and the driver's free memory change on their own, so they only make a request *wait*; a request
 that needs more than the ceiling can never run until someone raises it.
 

@@ -17,11 +17,11 @@ from elastic_kv.ledger.fit import blocks_within, bytes_for_blocks
 from elastic_kv.ledger.guard import PoolGuard
 from elastic_kv.ledger.page_backing import PageBacking
 from elastic_kv.ledger.page_book import PageBook
+from elastic_kv.ledger.page_mapper import PageMapper
+from elastic_kv.ledger.physical import PhysicalAccount
 from elastic_kv.ledger.release import PageRelease
+from elastic_kv.ledger.reserve import ReservePolicy
 from elastic_kv.ledger.stats import pool_snapshot
-from elastic_kv.mapper import PageMapper
-from elastic_kv.physical import PhysicalAccount
-from elastic_kv.reserve import ReservePolicy
 from elastic_kv.snapshot import PoolSnapshot
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ class Ledger:
     Args:
         geometry: the engine's layout (blocks, pages, extents); the mapper's pages are its pages.
         mapper: backs and releases pages (``LocalMapper`` over a ``_vmm.SpaceGroup``, or the ranks'
-            coordinator). If it is an :class:`~elastic_kv.mapper.AsyncPageMapper`, the reserve is refilled
-            in the background.
+            coordinator). If it is an :class:`~elastic_kv.ledger.page_mapper.AsyncPageMapper`, the reserve
+            is refilled in the background.
         config: reserve watermarks, deferred release, limit, ...
         record: the pool's shared record (limit, GPU-wide budget, statistics); ``None`` = no sharing.
         shares: instead of ``record``, one record per device for a pool whose ranks back each page on
@@ -425,7 +425,7 @@ class Ledger:
         """Housekeeping; call once per engine step, after the step's allocations (cheap when idle).
         ``light``: the step leaves the GPU bound by memory bandwidth (decode); until the next call the
         reserve is then refilled only below what light steps take, and trimmed only above
-        ``reserve_max_pages`` (:mod:`elastic_kv.reserve`).
+        ``reserve_max_pages`` (:mod:`elastic_kv.ledger.reserve`).
 
         Collects background maps, applies ``kvctl`` changes seen in the shared record (limit, trim: the
         reserve is returned and not refilled until the pool allocates again; either is published at once,

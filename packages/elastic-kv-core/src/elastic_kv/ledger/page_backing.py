@@ -2,8 +2,8 @@
 
 :class:`PageBacking` does for a :class:`~elastic_kv.ledger.page_book.PageBook` everything that leaves the
 process's memory: charging the record and mapping pages through the
-:class:`~elastic_kv.mapper.PageMapper`, synchronously or on the data plane's background thread, unmapping
-them, and what a failure there means:
+:class:`~elastic_kv.ledger.page_mapper.PageMapper`, synchronously or on the data plane's background thread,
+unmapping them, and what a failure there means:
 
 * ``PoolExhausted`` from the record, the limit or the driver: pressure -- nothing changed, the caller
   reports "no blocks now";
@@ -24,8 +24,8 @@ import time
 from elastic_kv.errors import PoolExhausted, StateConsistencyError
 from elastic_kv.ledger.guard import PoolGuard
 from elastic_kv.ledger.page_book import INFLIGHT, UNMAPPED, PageBook
-from elastic_kv.mapper import AsyncPageMapper, PageMapper
-from elastic_kv.physical import PhysicalAccount
+from elastic_kv.ledger.page_mapper import AsyncPageMapper, PageMapper
+from elastic_kv.ledger.physical import PhysicalAccount
 
 __all__ = ["PageBacking"]
 

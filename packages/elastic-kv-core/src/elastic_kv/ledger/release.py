@@ -13,7 +13,7 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.ledger.drain import Drain
 from elastic_kv.ledger.page_backing import PageBacking
 from elastic_kv.ledger.page_book import PageBook
-from elastic_kv.physical import PhysicalAccount
+from elastic_kv.ledger.physical import PhysicalAccount
 
 __all__ = ["PageRelease"]
 

@@ -10,7 +10,7 @@ import time
 
 from elastic_kv.ledger.guard import PoolGuard
 from elastic_kv.ledger.page_book import PageBook
-from elastic_kv.physical import PhysicalAccount
+from elastic_kv.ledger.physical import PhysicalAccount
 from elastic_kv.snapshot import PoolSnapshot, PoolState
 
 __all__ = ["pool_snapshot"]

@@ -1,7 +1,8 @@
 """A :class:`~elastic_kv.ranks.Coordinator` as the ledger's asynchronous page mapper, releasing behind.
 
-:class:`CoordinatorMapper` is the :class:`~elastic_kv.mapper.AsyncPageMapper` a ledger drives when its pages
-live in other threads or processes (an engine's workers). One background thread carries out, in order:
+:class:`CoordinatorMapper` is the :class:`~elastic_kv.ledger.page_mapper.AsyncPageMapper` a ledger drives
+when its pages live in other threads or processes (an engine's workers). One background thread carries
+out, in order:
 
 * ``map_async`` jobs -- the ledger's pre-mapping of its reserve, collected with ``collect()``;
 * **releases** -- ``unmap`` queues the release and returns at once ("release-behind"). The ledger has
@@ -32,7 +33,7 @@ import time
 from collections.abc import Sequence
 
 from elastic_kv.errors import StateConsistencyError
-from elastic_kv.mapper import MapResult, PageMapper
+from elastic_kv.ledger.page_mapper import MapResult, PageMapper
 from elastic_kv.ranks.coordinator import _short
 
 __all__ = ["CoordinatorMapper"]

@@ -4,10 +4,10 @@
 vLLM's API server, SGLang's HTTP server, a sidecar -- not only in the process that owns the pools:
 
     from prometheus_client import REGISTRY
-    from elastic_kv.metrics import RegistryCollector
+    from elastic_kv.cli.metrics import RegistryCollector
     REGISTRY.register(RegistryCollector())
 
-or standalone: ``python -m elastic_kv.metrics --port 9400`` (also ``kvctl metrics --port 9400``).
+or standalone: ``python -m elastic_kv.cli.metrics --port 9400`` (also ``kvctl metrics --port 9400``).
 
 Metrics (labels ``pool, device, engine, model`` unless noted; ``*_bytes`` are physical bytes):
 
@@ -206,8 +206,10 @@ def serve(port: int, addr: str = "127.0.0.1", registry: Registry | None = None) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m elastic_kv.metrics --port N [--addr A] [--registry-dir D]``."""
-    parser = argparse.ArgumentParser(prog="python -m elastic_kv.metrics", description=__doc__.split("\n")[0])
+    """``python -m elastic_kv.cli.metrics --port N [--addr A] [--registry-dir D]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_kv.cli.metrics", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--port", type=int, required=True, help="TCP port to serve /metrics on")
     parser.add_argument("--addr", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument(
@@ -218,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         registry = Registry(args.registry_dir)
     except ConfigError as exc:
-        logger.error("elastic_kv.metrics: %s", exc)
+        logger.error("elastic_kv.cli.metrics: %s", exc)
         return 4  # as kvctl: the registry directory cannot be used
     serve(args.port, args.addr, registry)
     return 0

@@ -1,4 +1,4 @@
-"""kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.kvctl``).
+"""kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.cli.kvctl``).
 
     kvctl list [--json]                 every pool and device budget
     kvctl limit POOL SIZE|PCT|unlimited [--wait SEC] [--force]
@@ -370,7 +370,7 @@ def _cmd_watch(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
 
 
 def _cmd_top(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
-    from elastic_kv.kvctl_top import run_top  # rich is imported only for this command
+    from elastic_kv.cli.top import run_top  # rich is imported only for this command
 
     run_top(registry, interval=args.interval, count=args.count, out=out)
     return 0
@@ -379,10 +379,10 @@ def _cmd_top(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
 def _cmd_metrics(registry: Registry, args: argparse.Namespace, out: TextIO) -> int:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from elastic_kv.metrics import RegistryCollector, serve
+    from elastic_kv.cli.metrics import RegistryCollector, serve
 
     if args.port is not None:
-        logging.getLogger("elastic_kv.metrics").setLevel(logging.INFO)
+        logging.getLogger("elastic_kv.cli.metrics").setLevel(logging.INFO)
         serve(args.port, args.addr, registry)
         return 0
     collectors = CollectorRegistry(auto_describe=False)
