@@ -2,7 +2,7 @@
 
 Elastic set-ups: the physical bytes each pool has backed (``charged_bytes`` of its record in the
 elastic-kv registry -- what ``kvctl list --json`` prints), read in this process through
-``elastic_kv.registry.view.Registry`` every ``period`` seconds. A model whose engine is not running (asleep
+``elastic_kv.registry.Registry`` every ``period`` seconds. A model whose engine is not running (asleep
 and stopped, or not started yet) has no record and counts 0. Static set-up: each engine's KV cache is
 allocated once at start-up, so its size is constant and is recorded once. The sleep set-up also records
 each model's state (awake, asleep, waking, ...) and the host memory asleep models' weights take

@@ -5,8 +5,9 @@ of the user (engines, ``kvctl``, the Prometheus collector).
   ``kvctl`` changes, publish statistics; :func:`create_shares` (:mod:`.shares`) for a pool backed on
   several devices.
 * :class:`DeviceBudget` (:mod:`.budget`) -- the GPU-wide budget of one device, shared by its pools.
-* :class:`Registry` (:mod:`.view`) -- the registry from any process: read pools and devices, set limits
-  and budgets, reclaim the records of dead owners.
+* :class:`Registry` (:mod:`.registry`) -- the registry from any process: read pools and devices, set
+  limits and budgets; what a record says is read by :mod:`.reading`, what dead owners left is reclaimed by
+  :mod:`.reclaim`.
 * :mod:`.layout` -- the binary, versioned file layouts; :mod:`.files` -- where the registry lives, how its
   files are created and locked, how a dead owner is recognised.
 
@@ -16,18 +17,11 @@ See ``docs/ARCHITECTURE.md`` (section "Limits, registry and observability") for 
 from elastic_kv.registry.budget import DeviceBudget
 from elastic_kv.registry.files import RegistryConfig
 from elastic_kv.registry.layout import UNLIMITED
+from elastic_kv.registry.reading import DeviceInfo, LatencyHistogram, PoolInfo
+from elastic_kv.registry.reclaim import reclaim_dead
 from elastic_kv.registry.record import UNBOUNDED, PoolRecord, RecordEvents
+from elastic_kv.registry.registry import LimitNotFollowedError, Registry, UnknownDeviceError, UnknownPoolError
 from elastic_kv.registry.shares import DeviceShare, create_shares
-from elastic_kv.registry.view import (
-    DeviceInfo,
-    LatencyHistogram,
-    LimitNotFollowedError,
-    PoolInfo,
-    Registry,
-    UnknownDeviceError,
-    UnknownPoolError,
-    reclaim_dead,
-)
 
 __all__ = [
     "UNBOUNDED",

@@ -59,7 +59,8 @@ from elastic_kv.registry.layout import (
     UNLIMITED,
     RecordLayout,
 )
-from elastic_kv.registry.view import read_record, reclaim_dead_locked
+from elastic_kv.registry.reading import read_record
+from elastic_kv.registry.reclaim import reclaim_dead_locked
 from elastic_kv.snapshot import PoolSnapshot
 
 __all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
