@@ -275,6 +275,7 @@ def test_a_pool_that_cannot_follow_a_limit_refuses_one(kvctl: Kvctl, registry_di
             registry.set_limit("gdn-mamba", 1 << 30)
         assert registry.set_limit("gdn-mamba", 0).limit_bytes == 0  # "unlimited" is what it follows
         assert "none (budget only)" in kvctl("list").stdout
+        assert "none (budget only)" in kvctl("top", "-n", "0.05", "--count", "1").stdout
         listed = json.loads(kvctl("list", "--json").stdout)["pools"]
         assert [p["follows_limit"] for p in listed] == [False]
     with pytest.raises(ValueError, match="follows no limit"):

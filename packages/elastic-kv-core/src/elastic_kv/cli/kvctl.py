@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from elastic_kv.cli.table import limit_text, render_list
 from elastic_kv.errors import ConfigError
 from elastic_kv.registry import (
     UNLIMITED,
-    DeviceInfo,
     PoolInfo,
     Registry,
     UnknownDeviceError,
@@ -53,7 +53,6 @@ __all__ = [
     "EXIT_TIMEOUT",
     "EXIT_UNKNOWN",
     "main",
-    "render_list",
 ]
 
 # Exit codes (also in --help): 0 success, 1 unexpected failure.
@@ -91,70 +90,6 @@ def _starved(pools: Sequence[PoolInfo], nbytes: int) -> list[PoolInfo]:
 
 def _needs(pools: Sequence[PoolInfo]) -> str:
     return ", ".join(f"{p.name} {format_bytes(_largest_request(p))}" for p in pools)
-
-
-def _limit_text(nbytes: int) -> str:
-    return "unlimited" if nbytes == UNLIMITED else format_bytes(nbytes)
-
-
-def _pool_row(pool: PoolInfo) -> list[str]:
-    snap = pool.snapshot
-    if snap is None:
-        mapped = reserve = blocks = hit = "-"
-        state = "starting"
-    else:
-        mapped = format_bytes(snap.mapped_bytes)
-        reserve = format_bytes(pool.reserved_bytes)
-        blocks = f"{snap.used_blocks}/{snap.total_blocks}"
-        acquisitions = snap.reserve_hits + snap.reserve_misses
-        hit = f"{100 * snap.reserve_hit_rate:.0f}%" if acquisitions else "-"
-        state = snap.state.value
-    return [
-        pool.name,
-        pool.device,
-        pool.engine,
-        pool.model,
-        str(pool.pid),
-        _limit_text(pool.limit_bytes) if pool.follows_limit else "none (budget only)",
-        format_bytes(pool.charged_bytes),
-        mapped,
-        reserve,
-        blocks,
-        hit,
-        state,
-    ]
-
-
-POOL_COLUMNS = ("POOL", "DEVICE", "ENGINE", "MODEL", "PID", "LIMIT", "CHARGED", "MAPPED", "RESERVE", "BLOCKS",
-                "HIT", "STATE")  # fmt: skip
-DEVICE_COLUMNS = ("DEVICE", "BUDGET", "CHARGED", "SIZE", "POOLS")
-
-
-def _device_row(device: DeviceInfo) -> list[str]:
-    return [
-        device.device,
-        _limit_text(device.budget_bytes),
-        format_bytes(device.charged_bytes),
-        format_bytes(device.total_bytes) if device.total_bytes else "unknown",
-        str(len(device.pools)),
-    ]
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=False)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-             for row in (header, *rows)]  # fmt: skip
-    return "\n".join(lines)
-
-
-def render_list(pools: Sequence[PoolInfo], devices: Sequence[DeviceInfo]) -> str:
-    """The plain-text tables of ``kvctl list``: pools, then devices."""
-    if not pools and not devices:
-        return "no elastic-kv pools"
-    parts = [_table(POOL_COLUMNS, [_pool_row(p) for p in pools]) if pools else "no elastic-kv pools"]
-    if devices:
-        parts.append(_table(DEVICE_COLUMNS, [_device_row(d) for d in devices]))
-    return "\n\n".join(parts)
 
 
 def _amount(text: str, what: str, base: Callable[[], tuple[int, str]]) -> int:
@@ -224,9 +159,9 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
             f"requests of pool {pool.name} that need more than {format_bytes(nbytes)} cannot run under this "
             f"limit and end with an error (the largest needs {format_bytes(_largest_request(pool))})"
         )
-    was = _limit_text(pool.limit_bytes)
+    was = limit_text(pool.limit_bytes)
     out.write(
-        f"pool {updated.name}: limit {_limit_text(updated.limit_bytes)} (was {was}), "
+        f"pool {updated.name}: limit {limit_text(updated.limit_bytes)} (was {was}), "
         f"charged {format_bytes(updated.charged_bytes)}, revision {updated.limit_revision}\n"
     )
     over = updated.limit_bytes != UNLIMITED and updated.charged_bytes > updated.limit_bytes
@@ -277,7 +212,7 @@ def _wait_under_limit(
     now = registry.pool(pool.name)
     out.write(
         f"not applied within {seconds:g} s: the pool still holds {format_bytes(now.charged_bytes)} "
-        f"(limit {_limit_text(now.limit_bytes)}); {_cost(before, now)} so far; it keeps releasing pages as "
+        f"(limit {limit_text(now.limit_bytes)}); {_cost(before, now)} so far; it keeps releasing pages as "
         "their blocks are freed\n"
     )
     return EXIT_TIMEOUT
@@ -321,7 +256,7 @@ def _cmd_budget(registry: Registry, args: argparse.Namespace, out: TextIO) -> in
                 f"with an error (largest requests: {_needs(starved)})"
             )
     out.write(
-        f"device {device.device}: budget {_limit_text(device.budget_bytes)}, charged "
+        f"device {device.device}: budget {limit_text(device.budget_bytes)}, charged "
         f"{format_bytes(device.charged_bytes)} by {len(device.pools)} pool(s)\n"
     )
     if device.budget_bytes != UNLIMITED and device.charged_bytes > device.budget_bytes:

@@ -16,8 +16,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from elastic_kv.cli.table import device_cells, pool_cells
 from elastic_kv.registry import UNLIMITED, DeviceInfo, PoolInfo, Registry
-from elastic_kv.sizes import format_bytes
 
 __all__ = ["render_top", "run_top"]
 
@@ -48,20 +48,13 @@ def _seconds(value: float | None) -> str:
 
 def _device_table(devices: list[DeviceInfo]) -> Table:
     table = Table(title="devices", title_justify="left", expand=False)
-    for column in ("device", "budget", "charged", "", "size", "pools"):
-        table.add_column(
-            column, justify="right" if column in ("budget", "charged", "size", "pools") else "left"
-        )
+    columns = ("device", "budget", "charged", "", "size", "pools")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "device" else "right")
     for d in devices:
         whole = d.budget_bytes if d.budget_bytes != UNLIMITED else d.total_bytes
-        table.add_row(
-            d.device,
-            "unlimited" if d.budget_bytes == UNLIMITED else format_bytes(d.budget_bytes),
-            format_bytes(d.charged_bytes),
-            _bar(d.charged_bytes, whole),
-            format_bytes(d.total_bytes) if d.total_bytes else "unknown",
-            str(len(d.pools)),
-        )
+        cells = device_cells(d)
+        table.add_row(*(_bar(d.charged_bytes, whole) if c == "" else cells[c] for c in columns))
     return table
 
 
@@ -79,25 +72,14 @@ def _pool_table(pools: list[PoolInfo]) -> Table:
             max_width=28 if column == "model" else None,
         )
     for p in pools:
-        snap = p.snapshot
-        acquisitions = 0 if snap is None else snap.reserve_hits + snap.reserve_misses
-        state = "starting" if snap is None else snap.state.value
-        table.add_row(
-            p.name,
-            p.device,
-            p.engine,
-            p.model,
-            str(p.pid),
-            "unlimited" if p.limit_bytes == UNLIMITED else format_bytes(p.limit_bytes),
-            format_bytes(p.charged_bytes),
-            _bar(p.charged_bytes, p.limit_bytes),
-            "-" if snap is None else format_bytes(snap.mapped_bytes),
-            "-" if snap is None else format_bytes(p.reserved_bytes),
-            "-" if snap is None else f"{snap.used_blocks}/{snap.total_blocks}",
-            f"{100 * snap.reserve_hit_rate:.0f}%" if snap is not None and acquisitions else "-",
-            _latency(p, "map"),
-            Text(state, style="red" if state == "inconsistent" else "yellow" if state == "shrinking" else ""),
+        cells: dict[str, str | ProgressBar | Text] = {**pool_cells(p)}
+        state = cells["state"]
+        cells[""] = _bar(p.charged_bytes, p.limit_bytes)
+        cells["map p50/p99"] = _latency(p, "map")
+        cells["state"] = Text(
+            str(state), style="red" if state == "inconsistent" else "yellow" if state == "shrinking" else ""
         )
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
