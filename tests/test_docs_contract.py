@@ -17,8 +17,9 @@ from elastic_kv.geometry import BlockGeometry, strided_families
 from elastic_kv.ledger import Ledger
 from elastic_kv.ledger.page_mapper import AsyncPageMapper, LocalMapper, PageMapper
 from elastic_kv.ranks.coordinator import Coordinator
-from elastic_kv.ranks.local import SocketListener, socket_dir, socket_path
+from elastic_kv.ranks.listener import SocketListener
 from elastic_kv.ranks.rank import Rank
+from elastic_kv.ranks.sockets import socket_dir, socket_path
 from elastic_kv.ranks.transport import BroadcastTransport
 from elastic_kv.registry import Registry
 

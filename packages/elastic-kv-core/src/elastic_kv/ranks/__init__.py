@@ -14,10 +14,12 @@ See ``docs/ARCHITECTURE.md`` (section "Ranks") for the contract.
 
 from elastic_kv.ranks.coordinator import Coordinator, RankStatus
 from elastic_kv.ranks.fence import Completion, EpochFence
-from elastic_kv.ranks.local import SocketListener, SocketTransport, new_instance_name, socket_dir, socket_path
+from elastic_kv.ranks.listener import SocketListener
+from elastic_kv.ranks.local import SocketTransport
 from elastic_kv.ranks.mapper import CoordinatorMapper
 from elastic_kv.ranks.messages import NO_EPOCH, PROTOCOL_VERSION, RankInfo
 from elastic_kv.ranks.rank import Rank, RankTarget
+from elastic_kv.ranks.sockets import new_instance_name, socket_dir, socket_path
 from elastic_kv.ranks.transport import BroadcastTransport, InProcessTransport, NoReply, Outcome, Transport
 
 __all__ = [
