@@ -2,8 +2,8 @@
 of the user (engines, ``kvctl``, the Prometheus collector).
 
 * :class:`PoolRecord` (:mod:`.record`) -- one pool's record as its owner sees it: charge, poll for
-  ``kvctl`` changes, publish statistics; :func:`create_shares` (:mod:`.shares`) for a pool backed on
-  several devices.
+  ``kvctl`` changes, publish statistics; its file is made and removed by :mod:`.record_file`;
+  :func:`create_shares` (:mod:`.shares`) for a pool backed on several devices.
 * :class:`DeviceBudget` (:mod:`.budget`) -- the GPU-wide budget of one device, shared by its pools.
 * :class:`Registry` (:mod:`.registry`) -- the registry from any process: read pools and devices, set
   limits and budgets; what a record says is read by :mod:`.reading`, what dead owners left is reclaimed by

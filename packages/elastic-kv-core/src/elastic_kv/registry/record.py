@@ -28,27 +28,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import mmap
-import os
-import secrets
 import struct
 import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_kv.errors import ConfigError
-from elastic_kv.registry.budget import DeviceBudget
 from elastic_kv.registry.files import (
-    ProcessIdentity,
-    RegistryConfig,
     check_device_name,
     check_pool_name,
-    create_file,
-    ensure_private_directory,
-    registry_lock,
 )
 from elastic_kv.registry.layout import (
     HISTOGRAM_BOUNDS,
@@ -59,8 +48,7 @@ from elastic_kv.registry.layout import (
     UNLIMITED,
     RecordLayout,
 )
-from elastic_kv.registry.reading import read_record
-from elastic_kv.registry.reclaim import reclaim_dead_locked
+from elastic_kv.registry.record_file import OwnedRecord, create_record_file
 from elastic_kv.snapshot import PoolSnapshot
 
 __all__ = ["UNBOUNDED", "UNLIMITED", "PoolRecord", "RecordEvents"]
@@ -69,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 # headroom_bytes when neither a pool limit nor a device budget applies.
 UNBOUNDED = sys.maxsize
-# suffix_if_taken tries name, name-2, ..., name-<_MAX_SUFFIX>.
-_MAX_SUFFIX = 999
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,81 +71,6 @@ _NO_EVENTS = RecordEvents(limit_changed=False, trim_requested=False)
 _REVISIONS = struct.Struct("<QQ")  # RecordLayout.limit_revision, then trim_revision
 
 
-class _Owned:
-    """The resources behind a PoolRecord; released exactly once, by close() or by the finalizer."""
-
-    def __init__(
-        self,
-        config: RegistryConfig,
-        path: Path,
-        fd: int,
-        mapping: mmap.mmap,
-        budget: DeviceBudget,
-        token: int,
-    ) -> None:
-        self.config = config
-        self.path = path
-        self.fd = fd
-        self.map = mapping
-        self.budget = budget
-        self.token = token
-        self.slot = -1
-        self.owner_pid = os.getpid()
-
-    def release(self) -> None:
-        # A forked child inherits the mapping but is not the owner: it must not remove the record.
-        if os.getpid() == self.owner_pid:
-            try:
-                self._remove_shared_state()
-            except OSError as exc:  # e.g. the registry directory was deleted: nothing left to clean
-                logger.warning("pool record %s: could not remove it cleanly: %s", self.path, exc)
-        self.map.close()
-        self.budget.close()
-        os.close(self.fd)  # drops the liveness lock
-
-    def _remove_shared_state(self) -> None:
-        with registry_lock(self.config):
-            with self.budget.locked():
-                if self.slot >= 0:
-                    self.budget.release_slot_locked(self.slot, self.token)
-            # Unlink only our own file: after a reclaim (e.g. while this process was stopped) the name
-            # may already belong to a new pool.
-            try:
-                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-def _initial_record(
-    name: str,
-    device: str,
-    engine: str,
-    model: str,
-    limit_bytes: int,
-    token: int,
-    owner: ProcessIdentity,
-    flags: int,
-) -> bytes:
-    buf = bytearray(RecordLayout.SIZE)
-    RecordLayout.magic.put(buf, RecordLayout.MAGIC)
-    RecordLayout.version.put(buf, RecordLayout.VERSION)
-    RecordLayout.header_size.put(buf, RecordLayout.SIZE)
-    RecordLayout.token.put(buf, token)
-    RecordLayout.pid.put(buf, owner.pid)
-    RecordLayout.slot.put(buf, -1)
-    RecordLayout.start_ticks.put(buf, owner.start_ticks)
-    RecordLayout.pid_namespace.put(buf, owner.pid_namespace)
-    RecordLayout.created_at.put(buf, time.time())
-    RecordLayout.limit_bytes.put(buf, limit_bytes)
-    RecordLayout.name.put(buf, name)
-    RecordLayout.device.put(buf, device)
-    RecordLayout.engine.put(buf, engine)
-    RecordLayout.model.put(buf, model)
-    RecordLayout.flags.put(buf, flags)
-    return bytes(buf)
-
-
 class PoolRecord:
     """One pool's shared-memory record, owned by the process that created it (see the module docstring).
 
@@ -167,7 +78,7 @@ class PoolRecord:
     Methods other than :meth:`close` raise ``ValueError`` after it.
     """
 
-    def __init__(self, owned: _Owned, name: str, device: str, engine: str, model: str) -> None:
+    def __init__(self, owned: OwnedRecord, name: str, device: str, engine: str, model: str) -> None:
         """Use :meth:`create`."""
         self._owned = owned
         self._map = owned.map
@@ -227,65 +138,10 @@ class PoolRecord:
         if limit_bytes and not follows_limit:
             raise ValueError(f"pool {name!r} follows no limit, got limit_bytes={limit_bytes}")
         flags = 0 if follows_limit else RECORD_NO_LIMIT
-        config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
-        directory = ensure_private_directory(config.directory)
-        owner = ProcessIdentity.current()
-        budget = DeviceBudget.open(directory, device, create=True)
-        assert budget is not None  # create=True never answers None
-        try:
-            with registry_lock(config):
-                reclaim_dead_locked(config)  # a dead owner's record must not block its name
-                chosen, fd, token = cls._publish_record(
-                    directory, name, device, engine, model, limit_bytes, owner, suffix_if_taken, flags
-                )
-                path = directory / f"{chosen}.pool"
-                try:
-                    mapping = mmap.mmap(fd, RecordLayout.SIZE)
-                except BaseException:
-                    os.unlink(path)
-                    os.close(fd)
-                    raise
-                owned = _Owned(config, path, fd, mapping, budget, token)
-                try:
-                    with budget.locked():
-                        owned.slot = budget.claim_slot_locked(token, chosen, owner)
-                        if device_total_bytes > 0:
-                            budget.set_total_locked(device_total_bytes)
-                except BaseException:
-                    os.unlink(path)
-                    mapping.close()
-                    os.close(fd)
-                    raise
-                RecordLayout.slot.put(mapping, owned.slot)
-        except BaseException:
-            budget.close()
-            raise
+        chosen, owned = create_record_file(
+            name, device, engine, model, limit_bytes, flags, registry_dir, device_total_bytes, suffix_if_taken
+        )
         return cls(owned, chosen, device, engine, model)
-
-    @staticmethod
-    def _publish_record(
-        directory: Path,
-        name: str,
-        device: str,
-        engine: str,
-        model: str,
-        limit_bytes: int,
-        owner: ProcessIdentity,
-        suffix_if_taken: bool,
-        flags: int,
-    ) -> tuple[str, int, int]:
-        """Create the record file under the first free name; (name, locked descriptor, token)."""
-        token = secrets.randbits(63) | 1  # never 0: 0 marks a free device slot
-        last = _MAX_SUFFIX if suffix_if_taken else 1
-        for n in range(1, last + 1):
-            candidate = name if n == 1 else f"{name}-{n}"
-            if n > 1:
-                check_pool_name(candidate)
-            content = _initial_record(candidate, device, engine, model, limit_bytes, token, owner, flags)
-            fd = create_file(directory, f"{candidate}.pool", content, keep_locked=True)
-            if fd is not None:
-                return candidate, fd, token
-        raise ConfigError(_name_taken_message(directory, name, suffix_if_taken))
 
     # -- properties (lock-free reads of the mapping) -----------------------------------------------------
 
@@ -493,20 +349,3 @@ class PoolRecord:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"pool record {self._name!r} is closed")
-
-
-def _name_taken_message(directory: Path, name: str, suffixed: bool) -> str:
-    if suffixed:
-        return f"pool names {name}, {name}-2 ... {name}-{_MAX_SUFFIX} are all in use in {directory}"
-    owner = ""
-    try:
-        fd = os.open(directory / f"{name}.pool", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            info = read_record(fd)
-        finally:
-            os.close(fd)
-        if info is not None:
-            owner = f" by pid {info.pid} ({info.engine}, model {info.model})"
-    except OSError:
-        pass
-    return f"pool name {name!r} is in use{owner}; choose another name for this pool"
