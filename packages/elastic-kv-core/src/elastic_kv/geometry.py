@@ -1,5 +1,8 @@
 """Block geometry: which bytes of which spaces a KV block occupies, and how blocks group into pages.
 
+One file over 400 lines on purpose: one value type and the layouts of every engine that build it, so
+that a new layout is checked against the same rules as the others.
+
 An engine lays its KV cache out its own way; elastic-kv never changes that layout (same kernels, same
 strides). It only decides which parts are backed. This module turns an engine's layout into:
 

@@ -1,5 +1,10 @@
 """The ledger of one pool: :class:`Ledger` (the design is in the package docstring,
-:mod:`elastic_kv.ledger`)."""
+:mod:`elastic_kv.ledger`).
+
+One file over 400 lines on purpose: it is the engines' whole interface to a pool, one class whose methods
+are each a short decision over the collaborators beside it (page book, backing, release, drain, physical
+account, reserve policy, fit), with its contract written at each method; the work is in those modules.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The ledger's bookkeeping: which blocks are free on which pages, and each page's state.
 
+One file over 400 lines on purpose: one data structure, its operations kept beside the fields
+they keep consistent and the invariants below.
+
 :class:`PageBook` holds the data structures of one pool's :class:`~elastic_kv.ledger.Ledger` and the
 operations that keep them consistent; it makes no policy decision (when to map, unmap, defer or refill:
 that is the ledger's) and never calls the data plane. Its fields are public to the ledger package: the

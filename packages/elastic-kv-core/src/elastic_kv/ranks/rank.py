@@ -1,6 +1,8 @@
 """Rank side of the ranks protocol: the state machine that applies a coordinator's requests to one process's
 ``SpaceGroup``\\ s.
 
+One file over 400 lines on purpose: one state machine, whose transitions must read in one place.
+
 Every request names a transaction ``tx`` (ids only grow per pool). The rank remembers the outcome of recent
 transactions in a bounded history, which is what makes the protocol safe against duplicate, late and lost
 messages:
