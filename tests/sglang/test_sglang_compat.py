@@ -11,6 +11,7 @@ import pkgutil
 import pytest
 from elastic_kv.errors import ConfigError
 from sglang_elastic_kv import compat
+from sglang_elastic_kv.compat import members as compat_members
 
 from tests.support.models import REPO_ROOT
 
@@ -45,7 +46,7 @@ def test_a_missing_member_is_named_with_the_version(monkeypatch: pytest.MonkeyPa
         "sglang.srt.mem_cache.allocator.swa.SWATokenToKVPoolAllocator": ("_gone_in_this_version",),
         "sglang.srt.mem_cache.no_such_module": ("X",),
     }
-    monkeypatch.setattr(compat, "MEMBERS", members)
+    monkeypatch.setattr(compat_members, "MEMBERS", members)
     with pytest.raises(ConfigError) as info:
         compat.check_members("0.5.23")
     text = str(info.value)

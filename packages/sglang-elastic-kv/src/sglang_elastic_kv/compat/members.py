@@ -1,11 +1,4 @@
-"""Which SGLang versions the plugin supports, and every SGLang member it relies on: one table.
-
-Supported versions are the ones whose engine tests ran end to end (:data:`SUPPORTED`): SGLang 0.5.23.
-Any other version, older or newer, release or post-release, is refused at start-up with one line that
-names it and the supported list (:func:`select`). 0.5.20-0.5.22 consult the platform's pool and allocator
-seams only for out-of-tree platforms or were not run; before 0.5.12 SGLang has no plugin loader at all.
-
-Every SGLang member the plugin hooks, subclasses, overrides, calls or reads is listed here:
+"""Every SGLang member the plugin relies on, and the checks that find one missing.
 
 * :data:`MEMBERS`: members found on a module or class (methods, functions, classes, constants, declared
   fields). :func:`check_members` resolves all of them at start-up (``register()`` in every SGLang process,
@@ -15,125 +8,27 @@ Every SGLang member the plugin hooks, subclasses, overrides, calls or reads is l
 * :data:`INSTANCE_MEMBERS`: attributes SGLang's constructors set on an instance (no class attribute to
   resolve); the plugin's subclasses call :func:`check_instance` on themselves while SGLang builds them,
   i.e. during the scheduler's start-up.
-
-A :class:`Seams` row names the dotted hook targets (``HookRegistry`` paths) for the supported versions.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import pkgutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from elastic_kv.errors import ConfigError
 
-__all__ = [
-    "INSTANCE_MEMBERS",
-    "MEMBERS",
-    "SEAMS",
-    "SUPPORTED",
-    "Seams",
-    "check_instance",
-    "check_members",
-    "installed_sglang_version",
-    "missing_members",
-    "require",
-    "select",
-]
-
-# The SGLang versions whose engine tests (tests/sglang) ran end to end against this plugin.
-SUPPORTED: tuple[str, ...] = ("0.5.23",)
-
-
-@dataclass(frozen=True)
-class Seams:
-    """The hook targets for the SGLang versions in ``versions`` (dotted paths for ``HookRegistry``)."""
-
-    versions: tuple[str, ...]
-    # Platform seams: the in-tree platforms (CPU, CUDA, ROCm ...) inherit these from the base class,
-    # so one AFTER hook on the base answers for every in-tree platform without choosing the platform.
-    kv_pool_cls: str
-    paged_allocator_cls: str
-    # The allocator builder: page_size 1 builds TokenToKVPoolAllocator without asking the platform.
-    allocator_builder: str
-    # The configurator's entry point: its result is checked (a path that bypassed the seams fails).
-    configure: str
-    # Command line: --kv-cache-backend.
-    add_cli_args: str
-    prepare_server_args: str
-    # Radix-cache bound: where a request's KV row is handed to the prefix cache (any tree cache).
-    release_kv_cache: str
-    # release_memory_occupation / resume_memory_occupation in the scheduler (sleep and wake the pool).
-    release_memory: str
-    resume_memory: str
-    # Fails start-up inside the scheduler when the plugin cannot serve (a stable constructor).
-    startup_guard: str
-    # The scheduler's constructor: server arguments the plugin refuses are checked before any worker.
-    scheduler_init: str
-    # The builder of a Mamba / linear hybrid's request pool (its conv and SSM state pool).
-    hybrid_req_pool_builder: str
-    # Decode retraction: the requests retracted are counted as the pool's preemptions.
-    retract_decode: str
-    # Where the scheduler produces its own aborts (timeouts): requests that can never fit are added.
-    poll_aborts: str
-    # The scheduler's pass without a batch: a scheduler waiting for memory sleeps there as when idle.
-    on_idle: str
-
-    def targets(self) -> tuple[str, ...]:
-        """Every dotted target of this row."""
-        return (
-            self.kv_pool_cls,
-            self.paged_allocator_cls,
-            self.allocator_builder,
-            self.configure,
-            self.add_cli_args,
-            self.prepare_server_args,
-            self.release_kv_cache,
-            self.release_memory,
-            self.resume_memory,
-            self.startup_guard,
-            self.scheduler_init,
-            self.hybrid_req_pool_builder,
-            self.retract_decode,
-            self.poll_aborts,
-            self.on_idle,
-        )
-
-
-_PLATFORM = "sglang.srt.platforms.interface.SRTPlatform"
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-_WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-_POOLS = "sglang.srt.mem_cache.memory_pool"
-_ALLOC = "sglang.srt.mem_cache.allocator"
-
-SEAMS: tuple[Seams, ...] = (
-    Seams(
-        versions=SUPPORTED,
-        kv_pool_cls=f"{_PLATFORM}.get_kv_pool_cls",
-        paged_allocator_cls=f"{_PLATFORM}.get_paged_allocator_cls",
-        allocator_builder=f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator",
-        configure=f"{_CONFIGURATOR}.configure",
-        add_cli_args="sglang.srt.server_args.ServerArgs.add_cli_args",
-        prepare_server_args="sglang.srt.server_args.prepare_server_args",
-        release_kv_cache="sglang.srt.mem_cache.common.release_kv_cache",
-        release_memory=f"{_WEIGHT_UPDATER}.release_memory_occupation",
-        resume_memory=f"{_WEIGHT_UPDATER}.resume_memory_occupation",
-        startup_guard=f"{_POOLS}.KVCache.__init__",
-        scheduler_init="sglang.srt.managers.scheduler.Scheduler.__init__",
-        hybrid_req_pool_builder=f"{_CONFIGURATOR}._build_hybrid_req_pool",
-        retract_decode="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
-        poll_aborts="sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts",
-        on_idle="sglang.srt.managers.scheduler.Scheduler.on_idle",
-    ),
+from sglang_elastic_kv.compat.versions import (
+    ALLOC,
+    CONFIGURATOR,
+    PLATFORM,
+    POOLS,
+    WEIGHT_UPDATER,
+    installed_sglang_version,
+    supported_text,
 )
 
-# The command-line hooks exist since the plugin loader (0.5.12); they are the only hooks installed
-# when the plugin is not enabled, and they must work on versions the memory hooks do not support so
-# that --kv-cache-backend=elastic can report the unsupported version instead of "unknown argument".
-CLI_TARGETS = ("sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.prepare_server_args")
-STARTUP_GUARD = f"{_POOLS}.KVCache.__init__"
+__all__ = ["INSTANCE_MEMBERS", "MEMBERS", "check_instance", "check_members", "missing_members"]
 
 # Owner (module or class, dotted) -> the members of it the plugin hooks, subclasses, overrides, calls or
 # reads. Declared fields of dataclasses and msgspec structs resolve on the class; annotated attributes
@@ -162,9 +57,9 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     ),
     # Which slots a running request holds (drain.request_blocks reads ``Req.kv``, set per instance).
     "sglang.srt.managers.schedule_batch.ReqKvInfo": ("req_pool_idx", "kv_allocated_len"),
-    _PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
+    PLATFORM: ("get_kv_pool_cls", "get_paged_allocator_cls"),
     "sglang.srt.mem_cache.kv_cache_configurator": ("HybridReqToTokenPool",),
-    _CONFIGURATOR: (
+    CONFIGURATOR: (
         "_build_token_to_kv_pool_allocator",
         "_build_hybrid_req_pool",
         "configure",
@@ -179,12 +74,12 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "token_to_kv_pool_allocator",
         "req_to_token_pool",
     ),
-    _WEIGHT_UPDATER: ("release_memory_occupation", "resume_memory_occupation"),
+    WEIGHT_UPDATER: ("release_memory_occupation", "resume_memory_occupation"),
     "sglang.srt.managers.io_struct.ReleaseMemoryOccupationReqInput": ("tags",),
     "sglang.srt.managers.io_struct.ResumeMemoryOccupationReqInput": ("tags",),
     "sglang.srt.constants": ("GPU_MEMORY_TYPE_KV_CACHE",),
     "sglang.srt.mem_cache.common": ("release_kv_cache",),
-    _POOLS: (
+    POOLS: (
         "KVCache",
         "MHATokenToKVPool",
         "MLATokenToKVPool",
@@ -192,17 +87,17 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "HybridReqToTokenPool",
         "HybridLinearKVPool",
     ),
-    f"{_POOLS}.MambaPool": (
+    f"{POOLS}.MambaPool": (
         "__init__",
         "State",
         "_conv_fuse_ok",
         "_conv_slot_desc",
         "_warmup_fused_copy_slot_kernel",
     ),
-    f"{_POOLS}.MambaPool.State": ("conv", "temporal"),
-    f"{_POOLS}.HybridReqToTokenPool": ("mamba_pool_cls", "_init_mamba_pool", "clone_with_new_mamba"),
-    f"{_ALLOC}.mamba": ("MambaSlotAllocator",),
-    f"{_ALLOC}.mamba.MambaSlotAllocator": (
+    f"{POOLS}.MambaPool.State": ("conv", "temporal"),
+    f"{POOLS}.HybridReqToTokenPool": ("mamba_pool_cls", "_init_mamba_pool", "clone_with_new_mamba"),
+    f"{ALLOC}.mamba": ("MambaSlotAllocator",),
+    f"{ALLOC}.mamba.MambaSlotAllocator": (
         "__init__",
         "clear",
         "available_size",
@@ -214,11 +109,11 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "alloc_group_end",
     ),
     "sglang.srt.utils": ("is_cpu", "is_npu", "cpu_has_amx_support", "get_num_new_pages"),
-    f"{_POOLS}.KVCache": ("__init__",),
-    f"{_POOLS}.MHATokenToKVPool": ("_create_buffers", "_create_buffers_normal", "_kv_buffer_shapes"),
-    f"{_POOLS}.MLATokenToKVPool": ("_create_buffers",),
+    f"{POOLS}.KVCache": ("__init__",),
+    f"{POOLS}.MHATokenToKVPool": ("_create_buffers", "_create_buffers_normal", "_kv_buffer_shapes"),
+    f"{POOLS}.MLATokenToKVPool": ("_create_buffers",),
     "sglang.srt.mem_cache.swa_memory_pool": ("SWAKVPool",),
-    f"{_ALLOC}.base.BaseTokenToKVPoolAllocator": (
+    f"{ALLOC}.base.BaseTokenToKVPoolAllocator": (
         "get_kvcache",
         "free_group_begin",
         "free_group_end",
@@ -228,10 +123,10 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "evict_to_free_tokens",
         "check_decode_capacity",
     ),
-    f"{_ALLOC}.token": ("TokenToKVPoolAllocator",),
-    f"{_ALLOC}.token.TokenToKVPoolAllocator": ("__init__", "clear", "available_size", "alloc", "free"),
-    f"{_ALLOC}.paged": ("PagedTokenToKVPoolAllocator",),
-    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator": (
+    f"{ALLOC}.token": ("TokenToKVPoolAllocator",),
+    f"{ALLOC}.token.TokenToKVPoolAllocator": ("__init__", "clear", "available_size", "alloc", "free"),
+    f"{ALLOC}.paged": ("PagedTokenToKVPoolAllocator",),
+    f"{ALLOC}.paged.PagedTokenToKVPoolAllocator": (
         "__init__",
         "clear",
         "available_size",
@@ -241,8 +136,8 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "merge_and_sort_free",
         "_release_page_ids",
     ),
-    f"{_ALLOC}.swa": ("SWATokenToKVPoolAllocator", "PureSWATokenToKVPoolAllocator"),
-    f"{_ALLOC}.swa.SWATokenToKVPoolAllocator": (
+    f"{ALLOC}.swa": ("SWATokenToKVPoolAllocator", "PureSWATokenToKVPoolAllocator"),
+    f"{ALLOC}.swa.SWATokenToKVPoolAllocator": (
         "__init__",
         "size_full",
         "size_swa",
@@ -259,7 +154,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
         "check_decode_capacity",
         "verify_byte_accounting",
     ),
-    f"{_ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
+    f"{ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
         "__init__",
         "alloc",
         "free",
@@ -306,8 +201,8 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "waiting_queue",
         "tree_cache",
     ),
-    f"{_POOLS}.ReqToTokenPool": ("req_to_token",),
-    f"{_POOLS}.MHATokenToKVPool": (
+    f"{POOLS}.ReqToTokenPool": ("req_to_token",),
+    f"{POOLS}.MHATokenToKVPool": (
         "size",
         "page_size",
         "device",
@@ -320,7 +215,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "memory_saver_adapter",
         "enable_custom_mem_pool",
     ),
-    f"{_POOLS}.MLATokenToKVPool": (
+    f"{POOLS}.MLATokenToKVPool": (
         "size",
         "page_size",
         "device",
@@ -332,7 +227,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "custom_mem_pool",
     ),
     "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool": ("full_kv_pool", "swa_kv_pool"),
-    f"{_POOLS}.MambaPool": (
+    f"{POOLS}.MambaPool": (
         "size",
         "device",
         "mamba_cache",
@@ -340,7 +235,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "enable_custom_mem_pool",
         "mem_usage",
     ),
-    f"{_POOLS}.HybridReqToTokenPool": (
+    f"{POOLS}.HybridReqToTokenPool": (
         "mamba_pool",
         "mamba_allocator",
         "mamba_initial_tracking_slots",
@@ -348,9 +243,9 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "short_conv_pool",
         "ngram_pool",
     ),
-    f"{_POOLS}.HybridLinearKVPool": ("full_kv_pool",),
-    f"{_ALLOC}.mamba.MambaSlotAllocator": ("size", "device", "free_slots", "_alloc_iter"),
-    f"{_ALLOC}.token.TokenToKVPoolAllocator": (
+    f"{POOLS}.HybridLinearKVPool": ("full_kv_pool",),
+    f"{ALLOC}.mamba.MambaSlotAllocator": ("size", "device", "free_slots", "_alloc_iter"),
+    f"{ALLOC}.token.TokenToKVPoolAllocator": (
         "size",
         "page_size",
         "dtype",
@@ -360,7 +255,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "release_pages",
         "free_group",
     ),
-    f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator": (
+    f"{ALLOC}.paged.PagedTokenToKVPoolAllocator": (
         "size",
         "page_size",
         "num_pages",
@@ -369,7 +264,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "free_pages",
         "num_staged_pages",
     ),
-    f"{_ALLOC}.swa.SWATokenToKVPoolAllocator": (
+    f"{ALLOC}.swa.SWATokenToKVPoolAllocator": (
         "page_size",
         "dtype",
         "device",
@@ -379,7 +274,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
         "_swa_req_ring",
         "_req_to_token_pool",
     ),
-    f"{_ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
+    f"{ALLOC}.swa.PureSWATokenToKVPoolAllocator": (
         "page_size",
         "dtype",
         "device",
@@ -391,30 +286,6 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.prefill_budget.PrefillBudget": ("allocator", "tree_cache"),
     "sglang.srt.mem_cache.prefill_budget.SWAPrefillBudget": ("swa_offset",),
 }
-
-
-def installed_sglang_version() -> str:
-    """The installed SGLang distribution's version (no import of sglang); ConfigError if absent."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("the SGLang plugin is enabled but sglang is not installed") from None
-
-
-def _supported_text() -> str:
-    return ", ".join(SUPPORTED)
-
-
-def select(version: str) -> Seams:
-    """The :class:`Seams` row serving SGLang ``version`` (exactly one of :data:`SUPPORTED`); ConfigError
-    naming the version and the supported list otherwise."""
-    for row in SEAMS:
-        if version.strip() in row.versions:
-            return row
-    raise ConfigError(
-        f"--kv-cache-backend=elastic does not support sglang {version}: supported {_supported_text()} "
-        "(the versions its engine tests ran); install one of them or use --kv-cache-backend=native"
-    )
 
 
 def _has(owner: Any, name: str) -> bool:
@@ -444,15 +315,8 @@ def check_members(version: str) -> None:
     if missing:
         raise ConfigError(
             f"--kv-cache-backend=elastic: sglang {version} lacks {', '.join(missing)}, which the plugin "
-            f"relies on (supported: {_supported_text()})"
+            f"relies on (supported: {supported_text()})"
         )
-
-
-def require(version: str) -> Seams:
-    """:func:`select` and :func:`check_members` for ``version``: the row to hook, or ConfigError."""
-    seams = select(version)
-    check_members(version)
-    return seams
 
 
 def check_instance(obj: Any, owner: str) -> None:
@@ -463,5 +327,5 @@ def check_instance(obj: Any, owner: str) -> None:
         version = installed_sglang_version()
         raise ConfigError(
             f"--kv-cache-backend=elastic: sglang {version}'s {owner} instances lack "
-            f"{', '.join(missing)}, which the plugin relies on (supported: {_supported_text()})"
+            f"{', '.join(missing)}, which the plugin relies on (supported: {supported_text()})"
         )
