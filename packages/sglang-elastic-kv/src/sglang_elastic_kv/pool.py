@@ -46,6 +46,7 @@ class ElasticKVPool:
     elastic: ElasticBacking | None = None
     plugin_config: PluginConfig | None = None
     allocation_label: str | None  # set by SGLang's KVCache constructor
+    device: str  # likewise
     # Token slots one ledger block covers (the page size, or the token chunk at page_size 1).
     rows_per_block: int = 0
     # The in-tree method that carves this pool's buffers (the seam overridden below), for error messages.
@@ -72,6 +73,25 @@ class ElasticKVPool:
         rows_per_block = page_size if page_size > 1 else config.token_chunk
         self.rows_per_block = rows_per_block
         return config, rows, rows_per_block
+
+    def _back(
+        self,
+        config: PluginConfig,
+        buffers: list[BufferSpec],
+        families: list[BlockFamily],
+        num_blocks: int,
+        label: str,
+    ) -> ElasticBacking:
+        """The pool's elastic backing over ``buffers`` (one space each), labelled for the registry."""
+        return ElasticBacking.create(
+            device=self.device,
+            buffers=buffers,
+            families=families,
+            num_blocks=num_blocks,
+            config=config,
+            label=label,
+            part=self._part(),
+        )
 
     def _part(self) -> str | None:
         # SGLang labels the sub-pools of a composite ("Full" / "SWA" in SWAKVPool); a standalone pool has
@@ -136,15 +156,7 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
                 families.append(BlockFamily(len(buffers) - 1, 0, rpb * k_row, rpb * k_row))
                 buffers.append(BufferSpec(f"v{layer}", block_rows * v_row))
                 families.append(BlockFamily(len(buffers) - 1, 0, rpb * v_row, rpb * v_row))
-        self.elastic = ElasticBacking.create(
-            device=self.device,
-            buffers=buffers,
-            families=families,
-            num_blocks=num_blocks,
-            config=config,
-            label=f"mha-{self.layer_num}l",
-            part=self._part(),
-        )
+        self.elastic = self._back(config, buffers, families, num_blocks, f"mha-{self.layer_num}l")
         if k_shape == v_shape:
             padded = -(-rows // self.page_size) * self.page_size
             fused = [
@@ -183,15 +195,7 @@ class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
         num_blocks = -(-rows // rpb)
         buffers = [BufferSpec(f"kv{layer}", num_blocks * rpb * row) for layer in range(self.layer_num)]
         families = [BlockFamily(i, 0, rpb * row, rpb * row) for i in range(self.layer_num)]
-        self.elastic = ElasticBacking.create(
-            device=self.device,
-            buffers=buffers,
-            families=families,
-            num_blocks=num_blocks,
-            config=config,
-            label=f"mla-{self.layer_num}l",
-            part=self._part(),
-        )
+        self.elastic = self._back(config, buffers, families, num_blocks, f"mla-{self.layer_num}l")
         self.kv_buffer = [
             self.elastic.view(i, 0, (rows, 1, self.kv_cache_dim), self.store_dtype)
             for i in range(self.layer_num)
