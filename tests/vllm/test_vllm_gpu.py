@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "gpu_vllm.py"
 
 
-# Plain full attention, then the families with groups of their own (ci/gpu_vllm.py FAMILY_MODELS: sliding
-# window + sinks, MLA, GDN state) and n-gram speculative decoding.
+# Plain full attention, then the families with groups of their own (FAMILY_MODELS in
+# benchmarks/gpu_vllm/models.py: sliding window + sinks, MLA, GDN state) and n-gram speculative decoding.
 RUNS = {
     "tiny": ["--model", "tiny"],
     "gptoss": ["--model", "gptoss"],

@@ -1,31 +1,25 @@
 """``ci/gpu_vllm.py``, the GPU proof, runs its whole protocol on the CPU here (``--cpu-smoke``): both engines
 up, alternating bursts, the checks printed. CI cannot run the GPU proof; this keeps its wiring (the two
-children, the plugin's registration, the pool and rank probes, the A/A mode) from breaking unseen."""
+children, the plugin's registration, the pool and rank probes, the A/A mode) from breaking unseen. Its parts
+without engines (``benchmarks/gpu_vllm/``: slots, timelines, the A/A line) are checked directly."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from benchmarks.gpu_vllm.protocol import backend
+from benchmarks.gpu_vllm.report import calibration_line
+from benchmarks.gpu_vllm.timeline import StepSpans, Timeline
 
 pytestmark = pytest.mark.vllm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "gpu_vllm.py"
 SMALL = ["--cpu-smoke", "--bursts", "1", "--requests", "4", "--output", "16"]
-
-
-def _script() -> Any:
-    """A fresh copy of the script's module (tests replace its clock): its helpers, without running it."""
-    spec = importlib.util.spec_from_file_location("gpu_vllm_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 def run_script(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -84,7 +78,7 @@ def test_the_a_a_line_reads_slot_a_over_slot_b(smoke: tuple[Path, subprocess.Com
     reports = json.loads((out_dir / "gpu_vllm.json").read_text())
     a, b = reports["native"], reports["elastic"]
     ratios = [x / y for x, y in zip(a["burst_tokens_per_s_each"], b["burst_tokens_per_s_each"], strict=True)]
-    line = _script()._calibration_line("native", ratios, a, b)
+    line = calibration_line("native", ratios, a, b)
     total = b["burst_seconds"] / a["burst_seconds"]
     assert line.startswith(
         f"A/A (two native engines): ratio slot A / slot B: median {ratios[0]:.4f}, mean {ratios[0]:.4f}, "
@@ -98,10 +92,9 @@ def test_the_a_a_line_reads_slot_a_over_slot_b(smoke: tuple[Path, subprocess.Com
 def test_slots_run_the_backends_asked_for() -> None:
     import argparse
 
-    script = _script()
     runs = {
         (swap, calibrate): [
-            script._backend(slot, argparse.Namespace(swap=swap, calibrate=calibrate)) for slot in "AB"
+            backend(slot, argparse.Namespace(swap=swap, calibrate=calibrate)) for slot in "AB"
         ]
         for swap, calibrate in ((False, None), (True, None), (False, "native"), (False, "elastic"))
     }
@@ -119,7 +112,6 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
     import itertools
     from types import SimpleNamespace
 
-    script = _script()
     clock = itertools.count()
 
     class Event:
@@ -140,7 +132,7 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
         def map(self, pages: list[int]) -> None:
             next(clock)
 
-    spans = script._StepSpans()
+    spans = StepSpans()
     spans._event = Event
     executor, rank = Executor(), Rank()
     spans.wrap_engine(executor)
@@ -171,12 +163,12 @@ def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
     assert spans.edges_report() == {"lead_ms": 2.0, "first_ms": 1.0, "tail_ms": 2.0}
 
 
-def test_timeline_sums_each_bursts_first_and_last_call() -> None:
+def test_timeline_sums_each_bursts_first_and_last_call(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    script = _script()
     clock = iter(range(1000))
-    script.time = SimpleNamespace(perf_counter=lambda: float(next(clock)), thread_time=lambda: 0.0)
+    fake_time = SimpleNamespace(perf_counter=lambda: float(next(clock)), thread_time=lambda: 0.0)
+    monkeypatch.setattr("benchmarks.gpu_vllm.timeline.time", fake_time)
 
     class Scheduler:
         def update_from_output(self) -> None:
@@ -186,7 +178,7 @@ def test_timeline_sums_each_bursts_first_and_last_call() -> None:
             return None
 
     sched = Scheduler()
-    timeline = script._Timeline()
+    timeline = Timeline()
     timeline.wrap(sched, "update_from_output", "update", edges=True)
     timeline.wrap(sched, "schedule", "schedule")
     sched.update_from_output()  # outside a burst: not timed
