@@ -196,7 +196,7 @@ def _scheduler(args: argparse.Namespace, elastic: bool) -> tuple[Any, WorkerSide
     vllm_config, kv_cache_config = _configs(args, elastic)
     worker = WorkerSide(vllm_config, kv_cache_config, args.socket) if elastic else None
     if elastic:
-        from vllm_elastic_kv.scheduler import ElasticAsyncScheduler, ElasticScheduler
+        from vllm_elastic_kv.scheduler.scheduler import ElasticAsyncScheduler, ElasticScheduler
 
         cls: Any = ElasticAsyncScheduler if args.async_scheduling else ElasticScheduler
     else:

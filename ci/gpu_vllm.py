@@ -532,7 +532,7 @@ def _child(args: argparse.Namespace) -> None:
 
         vllm_elastic_kv.register()
         if args.socket:
-            from vllm_elastic_kv import scheduler_pool
+            from vllm_elastic_kv.scheduler import scheduler_pool
 
             scheduler_pool.local_rank = lambda instance, rank: None  # type: ignore[assignment]
     additional: dict[str, Any] = {"kv_cache_backend": "elastic"} if backend == "elastic" else {}

@@ -50,8 +50,8 @@ WORKERS = {
 }
 # async_scheduling -> our scheduler.
 SCHEDULERS = {
-    False: "vllm_elastic_kv.scheduler.ElasticScheduler",
-    True: "vllm_elastic_kv.scheduler.ElasticAsyncScheduler",
+    False: "vllm_elastic_kv.scheduler.scheduler.ElasticScheduler",
+    True: "vllm_elastic_kv.scheduler.scheduler.ElasticAsyncScheduler",
 }
 # Speculative decoding methods served. N-gram drafts come from the tokens themselves (no KV of their own);
 # a draft model's attention layers join the target's KV cache groups, so its KV lies in the same blocks.

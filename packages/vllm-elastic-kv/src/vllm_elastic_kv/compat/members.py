@@ -140,7 +140,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "block_pool"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
-    # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
+    # the limit's drain preempts the running requests holding blocks on draining pages (drain)
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests"),
     "vllm.v1.request.Request": ("request_id", "client_index"),
     # ... and its sleep-mode backend (elastic_kv_demote)
@@ -150,7 +150,8 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
 
 # Class (dotted) -> attributes the plugin sets on its instances (the class must not use __slots__).
 ADDED_ATTRIBUTES: Mapping[str, tuple[str, ...]] = {
-    # carries the step's release epoch from schedule() to update_from_output() (vllm_elastic_kv.scheduler)
+    # carries the step's release epoch from schedule() to update_from_output()
+    # (vllm_elastic_kv.scheduler.scheduler)
     "vllm.v1.core.sched.output.SchedulerOutput": ("_elastic_kv_epoch",),
 }
 
@@ -162,7 +163,7 @@ PROBED: Mapping[str, str] = {
     f"{_POOL}.cached_block_hashes_by_block": "the idle trim evicts cached blocks one by one",
     f"{_POOL}.cached_block_hash_to_block": "the idle trim evicts cached blocks one by one",
     f"{_UTILS}.KVCacheBlock.pool": "every block belongs to the one block pool (0.34+: a weak reference)",
-    # how the idle engine core is found and woken (vllm_elastic_kv.idle)
+    # how the idle engine core is found and woken (vllm_elastic_kv.scheduler.idle)
     f"{_CORE}Proc.input_queue": _NEXT_STEP,
     f"{_CORE}Proc._handle_client_request": _NEXT_STEP,
     f"{_CORE}._idle_state_callbacks": _NEXT_STEP,
