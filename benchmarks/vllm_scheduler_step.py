@@ -154,7 +154,7 @@ class WorkerSide:
         from vllm_elastic_kv import compat
         from vllm_elastic_kv.config import PluginConfig
         from vllm_elastic_kv.layout import planned_geometry
-        from vllm_elastic_kv.worker_pool import serve_locally
+        from vllm_elastic_kv.worker.worker_pool import serve_locally
 
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
@@ -174,7 +174,7 @@ class WorkerSide:
         self.geometry = geo
 
     def close(self) -> None:
-        from vllm_elastic_kv.worker_pool import serve_locally
+        from vllm_elastic_kv.worker.worker_pool import serve_locally
 
         serve_locally(self.instance, None)
         self.listener.close()

@@ -165,7 +165,7 @@ def test_elastic_config_uses_official_hooks(monkeypatch: pytest.MonkeyPatch, how
         cfg.scheduler_config.scheduler_cls
         == activation.SCHEDULERS[bool(cfg.scheduler_config.async_scheduling)]
     )
-    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker"
     # The decision travels inside the config: engine core and workers do not depend on the environment.
     resolved = PluginConfig.from_vllm_config(cfg, {})
     assert resolved.enabled and resolved.instance
@@ -207,7 +207,7 @@ def test_ngram_and_draft_model_speculative_decoding_are_served(
     cfg = _config(
         monkeypatch, additional_config={"kv_cache_backend": "elastic"}, speculative_config=speculative
     )
-    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker"
 
 
 def test_eagle_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

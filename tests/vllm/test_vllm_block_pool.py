@@ -466,8 +466,8 @@ def test_running_request_inside_a_step_takes_backed_blocks_then_admission(limit_
 
 def test_scheduler_calls_a_rank_in_its_own_process_directly() -> None:
     from elastic_kv.ranks import InProcessTransport, Rank, SocketTransport
-    from vllm_elastic_kv import worker_pool
     from vllm_elastic_kv.scheduler.scheduler_pool import _transport
+    from vllm_elastic_kv.worker import worker_pool
 
     rank = Rank(0)
     worker_pool.serve_locally("engine-a", rank)

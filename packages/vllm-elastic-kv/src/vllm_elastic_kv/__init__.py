@@ -16,7 +16,8 @@ from importlib.metadata import version as _version
 
 __all__ = ["SLEEP_BACKEND", "__version__", "register"]
 
-# The name of the sleep-mode backend that keeps asleep weights in the host arena (vllm_elastic_kv.sleep).
+# The name of the sleep-mode backend that keeps asleep weights in the host arena
+# (vllm_elastic_kv.worker.sleep).
 SLEEP_BACKEND = "elastic"
 
 try:  # the repository's one VERSION file, through the installed distribution's metadata
@@ -38,7 +39,7 @@ def register() -> None:
 
     Where a host arena is configured (``ELASTIC_KV_HOST_ARENA``, set by ``elastic-kv serve``), it also makes
     the ``elastic`` sleep-mode backend known to vLLM's sleep-mode factory, by name only: vLLM imports
-    :mod:`vllm_elastic_kv.sleep` once an engine that the plugin activated selects it.
+    :mod:`vllm_elastic_kv.worker.sleep` once an engine that the plugin activated selects it.
     """
     # Imported here: vLLM may load plugins while its own modules are still importing.
     from elastic_kv.host import ENV_HOST_ARENA
@@ -52,5 +53,5 @@ def register() -> None:
 
         with contextlib.suppress(ValueError):  # registered by an earlier call in this process
             SleepModeBackendFactory.register_backend(
-                SLEEP_BACKEND, "vllm_elastic_kv.sleep", "ElasticSleepBackend"
+                SLEEP_BACKEND, "vllm_elastic_kv.worker.sleep", "ElasticSleepBackend"
             )

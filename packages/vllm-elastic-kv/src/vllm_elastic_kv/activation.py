@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 # The platform's worker class -> our subclass of it.
 WORKERS = {
-    "vllm.v1.worker.gpu_worker.Worker": "vllm_elastic_kv.gpu_worker.ElasticGPUWorker",
-    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_elastic_kv.cpu_worker.ElasticCPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker": "vllm_elastic_kv.worker.gpu_worker.ElasticGPUWorker",
+    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker",
 }
 # async_scheduling -> our scheduler.
 SCHEDULERS = {
@@ -128,7 +128,9 @@ def activate(vllm_config: Any, plugin: PluginConfig, extensible_requested: bool 
     if model.enable_sleep_mode and arena is not None and model.sleep_mode_backend == "cumem":
         from vllm_elastic_kv import SLEEP_BACKEND
 
-        model.sleep_mode_backend = SLEEP_BACKEND  # asleep weights in the host arena (vllm_elastic_kv.sleep)
+        model.sleep_mode_backend = (
+            SLEEP_BACKEND  # asleep weights in the host arena (vllm_elastic_kv.worker.sleep)
+        )
     sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
     par.worker_cls = WORKERS.get(par.worker_cls, par.worker_cls)
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))

@@ -104,7 +104,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     f"{_IFACE}.KVCacheSpec": ("block_size",),
     f"{_IFACE}.SlidingWindowSpec": ("sliding_window",),
     f"{_IFACE}.KVCacheTensor": ("size",),
-    # sleep mode into the host arena (vllm_elastic_kv.sleep): each allocation's handle
+    # sleep mode into the host arena (vllm_elastic_kv.worker.sleep): each allocation's handle
     # (device, size, address, ...), tag, host copy and state, and the runtime library vLLM copies with
     "vllm.device_allocator.AllocationData": ("handle", "tag", "cpu_backup_tensor", "is_asleep"),
     "vllm.device_allocator.cumem": ("libcudart",),

@@ -52,7 +52,7 @@ from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import pool_geometry, reserve_min_pages
 from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
 from vllm_elastic_kv.scheduler.idle import IdleControl
-from vllm_elastic_kv.worker_pool import local_rank
+from vllm_elastic_kv.worker.worker_pool import local_rank
 
 __all__ = ["SchedulerPool", "StepEpochs", "pool_name", "rank_devices"]
 
