@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 from elastic_kv.errors import ConfigError
-from vllm_elastic_kv import activation, cli, compat, register
+from vllm_elastic_kv import compat, register
 from vllm_elastic_kv.config import BACKEND_ENV, Backend, PluginConfig
+from vllm_elastic_kv.frontend import activation, cli
 
 from tests.support.models import tiny_model
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_elastic_kv import SLEEP_BACKEND, activation, register
+from vllm_elastic_kv import SLEEP_BACKEND, register
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.frontend import activation
 from vllm_elastic_kv.worker import worker
 
 from tests.support.models import tiny_model

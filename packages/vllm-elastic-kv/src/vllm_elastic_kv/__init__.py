@@ -44,7 +44,8 @@ def register() -> None:
     # Imported here: vLLM may load plugins while its own modules are still importing.
     from elastic_kv.host import ENV_HOST_ARENA
 
-    from vllm_elastic_kv import activation, cli, compat
+    from vllm_elastic_kv import compat
+    from vllm_elastic_kv.frontend import activation, cli
 
     for patch in (*cli.patches(), activation.patch()):
         compat.apply_patch(patch)

@@ -6,8 +6,8 @@ relies on, so that together they name every vLLM member the plugin touches, publ
 
 * :data:`MEMBERS`: members found on a module or class (attributes, dataclass and config fields, properties,
   methods the plugin overrides without a signature contract). :func:`missing_members` resolves them;
-  activation (:func:`vllm_elastic_kv.activation.activate`, in the front end, before any engine process
-  starts) fails with one line naming every missing member and the vLLM version.
+  activation (:func:`vllm_elastic_kv.frontend.activation.activate`, in the front end, before any engine
+  process starts) fails with one line naming every missing member and the vLLM version.
 * :data:`MEMBERS_BY_ALLOCATION`: the same, for the members that differ between the KV allocation styles of
   :data:`~vllm_elastic_kv.compat.versions.SUPPORT` (``KVCacheTensor``'s fields).
 * :data:`INSTANCE_MEMBERS`: attributes vLLM's constructors set on every instance (no class attribute to

@@ -25,8 +25,8 @@ every other release is refused in one line naming the first symbol that does not
 0.34   source    Model Runner V2 only (no V1 runner, so no ``Scheduler.prev_step_scheduled_req_ids``);
                  block size 64 by default; ``CuMemBackend.suspend(discardable)`` instead of ``(level)``;
                  vLLM's own extensible KV cache, on by default on CUDA, which the plugin turns off when it
-                 serves (``vllm_elastic_kv.activation``); ``allocate_kv_cache(..., allocate=None)`` still
-                 allocates with ``torch.zeros`` inside the ``kv_cache`` pool context
+                 serves (``vllm_elastic_kv.frontend.activation``); ``allocate_kv_cache(..., allocate=None)``
+                 still allocates with ``torch.zeros`` inside the ``kv_cache`` pool context
 =====  ========  ============================================================================================
 
 The releases between 0.26 and 0.32 have one of the two allocation styles (0.27-0.28 the first, 0.29-0.31 the

@@ -18,8 +18,8 @@ config untouched; with the elastic backend it
    sleep-mode backend (``model_config.sleep_mode_backend``), which keeps asleep weights there;
 5. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
    and every worker receive with the config;
-6. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
-   processes when it is stopped, so the front end removes what they could not.
+6. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.frontend.exits`): vLLM SIGKILLs the
+   engine's processes when it is stopped, so the front end removes what they could not.
 
 Model features that are only known once the workers report their KV cache specs (several KV cache
 groups, Mamba, MLA, ...) are checked by the scheduler at start-up (:mod:`vllm_elastic_kv.features`).
@@ -37,7 +37,7 @@ from elastic_kv.ranks import new_instance_name
 
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
-from vllm_elastic_kv.exits import register_clean_up
+from vllm_elastic_kv.frontend.exits import register_clean_up
 
 __all__ = ["SCHEDULERS", "SPECULATIVE_METHODS", "WORKERS", "activate", "patch", "unsupported"]
 
@@ -136,7 +136,7 @@ def activate(vllm_config: Any, plugin: PluginConfig, extensible_requested: bool 
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))
     fresh = INSTANCE_KEY not in options
     options.setdefault(INSTANCE_KEY, plugin.instance or new_instance_name())
-    if fresh:  # this front end starts the engine: it cleans up after it (vllm_elastic_kv.exits)
+    if fresh:  # this front end starts the engine: it cleans up after it (vllm_elastic_kv.frontend.exits)
         register_clean_up(options[INSTANCE_KEY], par.world_size, plugin.elastic.registry_dir)
     vllm_config.additional_config[BACKEND_KEY] = Backend.ELASTIC.value
     vllm_config.additional_config[OPTIONS_KEY] = options
