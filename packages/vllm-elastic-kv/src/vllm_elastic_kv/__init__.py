@@ -4,6 +4,13 @@
 group; ``vllm serve MODEL --kv-cache-backend=elastic`` (or ``LLM(..., additional_config={"kv_cache_backend":
 "elastic"})``, or ``ELASTIC_KV_BACKEND=elastic``) then runs the engine with a KV cache whose physical memory
 follows load. See ``docs/ARCHITECTURE.md`` (section "vLLM") for how the plugin hooks into vLLM.
+
+The subpackages follow the vLLM process that runs their code: :mod:`.frontend` (the process the user
+starts: argument parsing, activation), :mod:`.scheduler` (the engine core: scheduler, KV cache manager,
+block pool) and :mod:`.worker` (each worker process: the KV cache's memory). The modules beside them serve
+every process: :mod:`.config` (the settings), :mod:`.compat` (the vLLM members relied on), :mod:`.features`
+(the model features served) and :mod:`.layout` (the pool's geometry, planned by the scheduler and checked
+by the workers).
 """
 
 from __future__ import annotations
