@@ -154,7 +154,7 @@ class WorkerSide:
         from vllm_elastic_kv import compat
         from vllm_elastic_kv.config import PluginConfig
         from vllm_elastic_kv.layout import planned_geometry
-        from vllm_elastic_kv.worker_pool import serve_locally
+        from vllm_elastic_kv.worker.worker_pool import serve_locally
 
         plugin = PluginConfig.from_vllm_config(vllm_config, os.environ)
         support = compat.support_for(compat.installed_version())
@@ -174,7 +174,7 @@ class WorkerSide:
         self.geometry = geo
 
     def close(self) -> None:
-        from vllm_elastic_kv.worker_pool import serve_locally
+        from vllm_elastic_kv.worker.worker_pool import serve_locally
 
         serve_locally(self.instance, None)
         self.listener.close()
@@ -196,7 +196,7 @@ def _scheduler(args: argparse.Namespace, elastic: bool) -> tuple[Any, WorkerSide
     vllm_config, kv_cache_config = _configs(args, elastic)
     worker = WorkerSide(vllm_config, kv_cache_config, args.socket) if elastic else None
     if elastic:
-        from vllm_elastic_kv.scheduler import ElasticAsyncScheduler, ElasticScheduler
+        from vllm_elastic_kv.scheduler.scheduler import ElasticAsyncScheduler, ElasticScheduler
 
         cls: Any = ElasticAsyncScheduler if args.async_scheduling else ElasticScheduler
     else:

@@ -231,7 +231,7 @@ def _register_plugin(socket: bool) -> None:
 
     vllm_elastic_kv.register()
     if socket:
-        from vllm_elastic_kv import scheduler_pool
+        from vllm_elastic_kv.scheduler import scheduler_pool
 
         scheduler_pool.local_rank = lambda instance, rank: None  # type: ignore[assignment]
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 from elastic_kv.errors import ConfigError
-from vllm_elastic_kv import activation, cli, compat, register
+from vllm_elastic_kv import compat, register
 from vllm_elastic_kv.config import BACKEND_ENV, Backend, PluginConfig
+from vllm_elastic_kv.frontend import activation, cli
 
 from tests.support.models import tiny_model
 
@@ -165,7 +166,7 @@ def test_elastic_config_uses_official_hooks(monkeypatch: pytest.MonkeyPatch, how
         cfg.scheduler_config.scheduler_cls
         == activation.SCHEDULERS[bool(cfg.scheduler_config.async_scheduling)]
     )
-    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker"
     # The decision travels inside the config: engine core and workers do not depend on the environment.
     resolved = PluginConfig.from_vllm_config(cfg, {})
     assert resolved.enabled and resolved.instance
@@ -207,7 +208,7 @@ def test_ngram_and_draft_model_speculative_decoding_are_served(
     cfg = _config(
         monkeypatch, additional_config={"kv_cache_backend": "elastic"}, speculative_config=speculative
     )
-    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.cpu_worker.ElasticCPUWorker"
+    assert cfg.parallel_config.worker_cls == "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker"
 
 
 def test_eagle_speculative_decoding_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,10 +20,10 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.ledger import Ledger
 from elastic_kv.ledger.page_mapper import LocalMapper
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.block_pool import ElasticBlockPool
-from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager, admission_bound, queued_hits
 from vllm_elastic_kv.layout import planned_geometry
-from vllm_elastic_kv.scheduler_pool import StepEpochs
+from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
+from vllm_elastic_kv.scheduler.kv_cache_manager import ElasticKVCacheManager, admission_bound, queued_hits
+from vllm_elastic_kv.scheduler.scheduler_pool import StepEpochs
 
 pytestmark = pytest.mark.vllm
 
@@ -466,8 +466,8 @@ def test_running_request_inside_a_step_takes_backed_blocks_then_admission(limit_
 
 def test_scheduler_calls_a_rank_in_its_own_process_directly() -> None:
     from elastic_kv.ranks import InProcessTransport, Rank, SocketTransport
-    from vllm_elastic_kv import worker_pool
-    from vllm_elastic_kv.scheduler_pool import _transport
+    from vllm_elastic_kv.scheduler.scheduler_pool import _transport
+    from vllm_elastic_kv.worker import worker_pool
 
     rank = Rank(0)
     worker_pool.serve_locally("engine-a", rank)
@@ -491,7 +491,7 @@ def test_a_block_names_its_pool_directly_or_by_weak_reference() -> None:
     import types
     import weakref
 
-    from vllm_elastic_kv.block_pool import owned_by
+    from vllm_elastic_kv.scheduler.block_pool import owned_by
 
     class Pool:
         pass

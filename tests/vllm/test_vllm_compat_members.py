@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import vllm_elastic_kv
 from elastic_kv.errors import ConfigError
-from vllm_elastic_kv import activation, compat
+from vllm_elastic_kv import compat
 from vllm_elastic_kv.compat import members
 from vllm_elastic_kv.config import BACKEND_ENV, PluginConfig
+from vllm_elastic_kv.frontend import activation
 
 from tests.support.models import tiny_model
 

@@ -3,7 +3,7 @@
 Each example builds a ``KVCacheConfig`` with vLLM's own code (``get_kv_cache_config_from_groups`` after
 ``CpuPlatform.check_and_update_config`` resolved ``kv_cache_memory_bytes`` against
 ``VLLM_CPU_KVCACHE_SPACE``), plans it as the scheduler does (``pool_geometry``), lets the worker
-(:class:`~vllm_elastic_kv.worker_pool.WorkerPool`) reserve its spaces and serve vLLM's own
+(:class:`~vllm_elastic_kv.worker.worker_pool.WorkerPool`) reserve its spaces and serve vLLM's own
 ``allocate_kv_cache`` from them, and builds the data plane's ``SpaceGroup`` over the views vLLM bound. It
 checks that:
 
@@ -37,7 +37,6 @@ from elastic_kv.geometry import BlockGeometry
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.allocation import KVAllocation
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import (
     check_plan,
@@ -46,7 +45,8 @@ from vllm_elastic_kv.layout import (
     planned_spaces,
     pool_geometry,
 )
-from vllm_elastic_kv.worker_pool import WorkerPool
+from vllm_elastic_kv.worker.allocation import KVAllocation
+from vllm_elastic_kv.worker.worker_pool import WorkerPool
 
 pytestmark = pytest.mark.vllm
 

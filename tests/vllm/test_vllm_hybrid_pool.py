@@ -23,10 +23,10 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.ledger import Ledger
 from elastic_kv.ledger.page_mapper import LocalMapper
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.features import check_model
-from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
 from vllm_elastic_kv.layout import planned_geometry
+from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
+from vllm_elastic_kv.scheduler.kv_cache_manager import ElasticKVCacheManager
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,6 @@ import torch
 from elastic_kv import _vmm
 from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
-from vllm_elastic_kv.allocation import KVAllocation, planned_allocations
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import (
     AUTO_PAGE_BYTES,
@@ -21,7 +20,8 @@ from vllm_elastic_kv.layout import (
     reserve_min_pages,
     view_families,
 )
-from vllm_elastic_kv.worker_pool import _ZeroingTarget
+from vllm_elastic_kv.worker.allocation import KVAllocation, planned_allocations
+from vllm_elastic_kv.worker.worker_pool import _ZeroingTarget
 
 pytestmark = pytest.mark.vllm
 

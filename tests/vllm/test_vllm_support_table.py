@@ -7,8 +7,9 @@ import inspect
 from pathlib import Path
 
 import pytest
-from vllm_elastic_kv import activation, features
+from vllm_elastic_kv import features
 from vllm_elastic_kv.features import SPECS
+from vllm_elastic_kv.frontend import activation
 from vllm_families import FAMILIES
 from vllm_support import FULL_ATTENTION, FULL_ATTENTION_CPU, README, REFUSED, REPO_ROOT, readme_table, render
 

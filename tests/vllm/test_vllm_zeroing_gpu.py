@@ -15,7 +15,7 @@ import pytest
 import torch
 from elastic_kv import _vmm
 from elastic_kv.geometry import BlockFamily, BlockGeometry
-from vllm_elastic_kv.worker_pool import _ZeroingTarget
+from vllm_elastic_kv.worker.worker_pool import _ZeroingTarget
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@
 Everything the plugin reads comes through :meth:`PluginConfig.resolve`, in this order (first wins):
 
 1. ``VllmConfig.additional_config["kv_cache_backend"]`` -- vLLM's official channel for out-of-tree options;
-   ``--kv-cache-backend=elastic`` (see :mod:`vllm_elastic_kv.cli`) and
+   ``--kv-cache-backend=elastic`` (see :mod:`vllm_elastic_kv.frontend.cli`) and
    ``LLM(..., additional_config={"kv_cache_backend": "elastic"})`` both end up here;
 2. the environment variable ``ELASTIC_KV_BACKEND`` -- for embedded use where the caller cannot reach
    vLLM's arguments (it is inherited by the engine core and every worker);

@@ -28,8 +28,8 @@ from elastic_kv.config import ElasticConfig
 from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockFamily, BlockGeometry, strided_families
 
-from vllm_elastic_kv.allocation import planned_allocations
 from vllm_elastic_kv.config import PluginConfig
+from vllm_elastic_kv.worker.allocation import planned_allocations
 
 __all__ = [
     "AUTO_PAGE_BYTES",

@@ -8,11 +8,11 @@
 * :mod:`.patches` -- the few patches it makes (:class:`Patch`, :func:`apply_patch`, :func:`scoped_attribute`);
 * :mod:`.support` -- the support rule (:func:`accept`): engine-verified and source-verified releases.
 
-Activation (:func:`vllm_elastic_kv.activation.activate`) calls :func:`accept`, which checks both tables
-against the installed vLLM and refuses in one line naming the version and the first symbol that does not
-match. ``ci/compat_check.py`` runs the same check on a release's source without installing it.
-``docs/upstream/vllm.md`` lists the same dependencies for vLLM's maintainers, with the extension points
-that would retire them.
+Activation (:func:`vllm_elastic_kv.frontend.activation.activate`) calls :func:`accept`, which checks both
+tables against the installed vLLM and refuses in one line naming the version and the first symbol that does
+not match. ``ci/compat_check.py`` runs the same check on a release's source without installing it.
+``docs/upstream/vllm.md`` lists the same dependencies for vLLM's maintainers, with the extension points that
+would retire them.
 """
 
 from vllm_elastic_kv.compat.members import (

@@ -6,8 +6,8 @@ relies on, so that together they name every vLLM member the plugin touches, publ
 
 * :data:`MEMBERS`: members found on a module or class (attributes, dataclass and config fields, properties,
   methods the plugin overrides without a signature contract). :func:`missing_members` resolves them;
-  activation (:func:`vllm_elastic_kv.activation.activate`, in the front end, before any engine process
-  starts) fails with one line naming every missing member and the vLLM version.
+  activation (:func:`vllm_elastic_kv.frontend.activation.activate`, in the front end, before any engine
+  process starts) fails with one line naming every missing member and the vLLM version.
 * :data:`MEMBERS_BY_ALLOCATION`: the same, for the members that differ between the KV allocation styles of
   :data:`~vllm_elastic_kv.compat.versions.SUPPORT` (``KVCacheTensor``'s fields).
 * :data:`INSTANCE_MEMBERS`: attributes vLLM's constructors set on every instance (no class attribute to
@@ -104,7 +104,7 @@ MEMBERS: Mapping[str, tuple[str, ...]] = {
     f"{_IFACE}.KVCacheSpec": ("block_size",),
     f"{_IFACE}.SlidingWindowSpec": ("sliding_window",),
     f"{_IFACE}.KVCacheTensor": ("size",),
-    # sleep mode into the host arena (vllm_elastic_kv.sleep): each allocation's handle
+    # sleep mode into the host arena (vllm_elastic_kv.worker.sleep): each allocation's handle
     # (device, size, address, ...), tag, host copy and state, and the runtime library vLLM copies with
     "vllm.device_allocator.AllocationData": ("handle", "tag", "cpu_backup_tensor", "is_asleep"),
     "vllm.device_allocator.cumem": ("libcudart",),
@@ -140,7 +140,7 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "block_pool"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
-    # the limit's drain preempts the running requests holding blocks on draining pages (evacuate)
+    # the limit's drain preempts the running requests holding blocks on draining pages (drain)
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests"),
     "vllm.v1.request.Request": ("request_id", "client_index"),
     # ... and its sleep-mode backend (elastic_kv_demote)
@@ -150,7 +150,8 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
 
 # Class (dotted) -> attributes the plugin sets on its instances (the class must not use __slots__).
 ADDED_ATTRIBUTES: Mapping[str, tuple[str, ...]] = {
-    # carries the step's release epoch from schedule() to update_from_output() (vllm_elastic_kv.scheduler)
+    # carries the step's release epoch from schedule() to update_from_output()
+    # (vllm_elastic_kv.scheduler.scheduler)
     "vllm.v1.core.sched.output.SchedulerOutput": ("_elastic_kv_epoch",),
 }
 
@@ -162,7 +163,7 @@ PROBED: Mapping[str, str] = {
     f"{_POOL}.cached_block_hashes_by_block": "the idle trim evicts cached blocks one by one",
     f"{_POOL}.cached_block_hash_to_block": "the idle trim evicts cached blocks one by one",
     f"{_UTILS}.KVCacheBlock.pool": "every block belongs to the one block pool (0.34+: a weak reference)",
-    # how the idle engine core is found and woken (vllm_elastic_kv.idle)
+    # how the idle engine core is found and woken (vllm_elastic_kv.scheduler.idle)
     f"{_CORE}Proc.input_queue": _NEXT_STEP,
     f"{_CORE}Proc._handle_client_request": _NEXT_STEP,
     f"{_CORE}._idle_state_callbacks": _NEXT_STEP,

@@ -25,8 +25,8 @@ every other release is refused in one line naming the first symbol that does not
 0.34   source    Model Runner V2 only (no V1 runner, so no ``Scheduler.prev_step_scheduled_req_ids``);
                  block size 64 by default; ``CuMemBackend.suspend(discardable)`` instead of ``(level)``;
                  vLLM's own extensible KV cache, on by default on CUDA, which the plugin turns off when it
-                 serves (``vllm_elastic_kv.activation``); ``allocate_kv_cache(..., allocate=None)`` still
-                 allocates with ``torch.zeros`` inside the ``kv_cache`` pool context
+                 serves (``vllm_elastic_kv.frontend.activation``); ``allocate_kv_cache(..., allocate=None)``
+                 still allocates with ``torch.zeros`` inside the ``kv_cache`` pool context
 =====  ========  ============================================================================================
 
 The releases between 0.26 and 0.32 have one of the two allocation styles (0.27-0.28 the first, 0.29-0.31 the
@@ -34,7 +34,7 @@ second) but are refused: no entry has been checked against them.
 
 In every supported release the worker allocates the KV cache inside
 ``Worker._maybe_get_memory_pool_context("kv_cache")`` (the CPU worker inherits it), so the worker side needs
-no patch: :mod:`vllm_elastic_kv.worker` overrides that method in a ``--worker-cls`` subclass.
+no patch: :mod:`vllm_elastic_kv.worker.worker` overrides that method in a ``--worker-cls`` subclass.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class VersionSupport:
     get_kv_cache_configs: str  # "module:function"
     targets: tuple[Target, ...]
     # The allocation tags vLLM's own sleep mode copies to the host at level 1 (and restores on wake-up);
-    # the elastic sleep-mode backend keeps the same ones, in the host arena (vllm_elastic_kv.sleep).
+    # the elastic sleep-mode backend keeps the same ones, in the host arena (vllm_elastic_kv.worker.sleep).
     sleep_offload_tags: tuple[str, ...] = ("weights",)
     # "engine": an engine ran on it end to end; "source": every target and member matches its source and
     # the package builds its configs with the plugin (activation warns once).
@@ -258,8 +258,8 @@ _ONE_BUFFER = (
 )
 _SLEEP_BACKEND = "vllm.device_allocator.sleep_mode_backend"
 _CUMEM = "vllm.device_allocator.cumem"
-# Sleep mode into the host arena (vllm_elastic_kv.sleep): a sleep-mode backend registered by name, which
-# copies the weights itself and lets vLLM's allocator unmap, remap and copy them back.
+# Sleep mode into the host arena (vllm_elastic_kv.worker.sleep): a sleep-mode backend registered by name,
+# which copies the weights itself and lets vLLM's allocator unmap, remap and copy them back.
 _SLEEP = (
     Target(
         _SLEEP_BACKEND,

@@ -1,10 +1,11 @@
-"""``--worker-cls vllm_elastic_kv.cpu_worker.ElasticCPUWorker``: vLLM's CPU worker, elastic KV cache."""
+"""vLLM's CPU worker, elastic KV cache: the front end selects it as
+``--worker-cls vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker``."""
 
 from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_elastic_kv.worker import ElasticWorkerMixin
+from vllm_elastic_kv.worker.worker import ElasticWorkerMixin
 
 __all__ = ["ElasticCPUWorker"]
 

@@ -293,7 +293,7 @@ class ElasticBlockPool(BlockPool):
 
     def evict_draining(self, blocks: Iterable[KVCacheBlock] | None = None) -> int:
         """Evict the cached blocks no request holds that lie on pages the ledger is releasing (a lowered
-        limit: :mod:`vllm_elastic_kv.evacuate`), so that those pages can empty; among ``blocks`` (just
+        limit: :mod:`vllm_elastic_kv.scheduler.drain`), so that those pages can empty; among ``blocks`` (just
         freed), or the whole queue. Returns the number of blocks evicted."""
         ledger = self.ledger
         if ledger is None or not ledger.draining:

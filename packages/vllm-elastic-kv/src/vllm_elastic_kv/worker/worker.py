@@ -5,11 +5,10 @@ workers alike; the CPU worker inherits ``initialize_from_config``). The mixin ov
 to hand vLLM the elastic allocation context, ``initialize_from_config`` to set the pool up around vLLM's
 own code, and ``execute_model`` to order each step after the zeroing of newly mapped pages. Nothing else
 of the worker changes: model loading, compilation, CUDA graphs, attention and sampling are vLLM's.
-
-Sleep and wake-up: the KV cache's physical memory is released on the scheduler side (``sleep`` pauses the
-scheduler with ``clear_cache``, which resets the prefix cache: every block returns to the ledger, which
-unmaps their pages and trims its reserve). The rest (weights, CUDA graphs) is vLLM's ``sleep``/``wake_up``
-through its sleep-mode backend (:mod:`vllm_elastic_kv.sleep` where a host arena is configured), with one
+ Sleep and wake-up: the KV cache's physical memory is released on the scheduler side (``sleep`` pauses the
+scheduler with ``clear_cache``, which resets the prefix cache: every block returns to the ledger, which unmaps
+their pages and trims its reserve). The rest (weights, CUDA graphs) is vLLM's ``sleep``/``wake_up`` through
+its sleep-mode backend (:mod:`vllm_elastic_kv.worker.sleep` where a host arena is configured), with one
 change: vLLM ends ``sleep`` by asserting that the *device's* free memory did not fall, which other engines
 sharing the GPU break whenever they grow their KV cache meanwhile. The sleep itself has completed by then,
 so that one assertion is answered with a log line instead of failing the request.
@@ -29,7 +28,7 @@ import torch
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.features import attention_sink_layers, check_model, describe_groups
-from vllm_elastic_kv.worker_pool import WorkerPool
+from vllm_elastic_kv.worker.worker_pool import WorkerPool
 
 __all__ = ["ElasticWorkerMixin", "bound_kv_views"]
 
@@ -64,7 +63,7 @@ def bound_kv_views(vllm_config: Any, kv_cache_config: Any) -> list[torch.Tensor]
 
 
 class ElasticWorkerMixin:
-    """Mixed in before vLLM's worker class (see :mod:`vllm_elastic_kv.gpu_worker` / ``cpu_worker``)."""
+    """Mixed in before vLLM's worker class (see :mod:`vllm_elastic_kv.worker.gpu_worker` / ``cpu_worker``)."""
 
     _elastic_pool: WorkerPool | None = None
     # Provided by vLLM's worker:
@@ -80,7 +79,7 @@ class ElasticWorkerMixin:
         device, rank = getattr(self, "device"), getattr(self, "rank")  # noqa: B009 - set by vLLM's worker
         self._elastic_pool = WorkerPool(plugin, support, kv_cache_config, self.vllm_config, device, rank)
         if plugin.elastic.host_arena is not None and plugin.elastic.pool_name is not None:
-            from vllm_elastic_kv.sleep import set_owner
+            from vllm_elastic_kv.worker.sleep import set_owner
 
             set_owner(plugin.elastic.pool_name)
         super().initialize_from_config(kv_cache_config)  # type: ignore[misc]
@@ -97,7 +96,7 @@ class ElasticWorkerMixin:
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``execute_model``, its kernels ordered after the zeroing of newly mapped pages (see
-        :meth:`~vllm_elastic_kv.worker_pool.WorkerPool.order_step`)."""
+        :meth:`~vllm_elastic_kv.worker.worker_pool.WorkerPool.order_step`)."""
         pool = self._elastic_pool
         if pool is not None:
             pool.order_step()
@@ -126,7 +125,7 @@ class ElasticWorkerMixin:
         path = PluginConfig.from_vllm_config(self.vllm_config, os.environ).elastic.host_arena
         if path is None:
             return {"pinned_bytes": 0, "seconds": 0.0, "level_one_bytes": 0}
-        from vllm_elastic_kv.sleep import level_one_bytes, process_arena
+        from vllm_elastic_kv.worker.sleep import level_one_bytes, process_arena
 
         pinned = process_arena(path)
         seconds = pinned.pin_all()
@@ -139,13 +138,13 @@ class ElasticWorkerMixin:
     def elastic_kv_demote(self) -> dict[str, Any]:
         """Turn this engine's level-1 sleep in the host arena into a level-2 one
         (``collective_rpc("elastic_kv_demote")``, which ``elastic-kv serve`` sends to give the arena to a
-        model used more recently; :meth:`vllm_elastic_kv.sleep.ElasticSleepBackend.demote`): the extent goes
-        back, the model's buffers are kept as vLLM's level-2 sleep keeps them, and the wake-up is level 2's
-        (``reload_weights`` between the weights' wake-up and the KV cache's). Returns the bytes given back.
-        :class:`RuntimeError` where this worker cannot: not asleep in the arena, or this vLLM's level-2
-        sleep would keep more than the buffers (a draft model; ``sleep_preserve_parameter_names``; from
-        0.34 on, whatever ``reload_weights`` does not rewrite)."""
-        from vllm_elastic_kv.sleep import ElasticSleepBackend
+        model used more recently; :meth:`vllm_elastic_kv.worker.sleep.ElasticSleepBackend.demote`): the extent
+        goes back, the model's buffers are kept as vLLM's level-2 sleep keeps them, and the wake-up is level
+        2's (``reload_weights`` between the weights' wake-up and the KV cache's). Returns the bytes given
+        back. :class:`RuntimeError` where this worker cannot: not asleep in the arena, or this vLLM's level-2
+        sleep would keep more than the buffers (a draft model; ``sleep_preserve_parameter_names``; from 0.34
+        on, whatever ``reload_weights`` does not rewrite)."""
+        from vllm_elastic_kv.worker.sleep import ElasticSleepBackend
 
         backend = getattr(self, "_sleep_mode_backend", None)
         if not hasattr(self, "_sleep_saved_buffers"):  # compat.PROBED

@@ -18,8 +18,8 @@ config untouched; with the elastic backend it
    sleep-mode backend (``model_config.sleep_mode_backend``), which keeps asleep weights there;
 5. records the decision and a fresh engine instance token in ``additional_config``, which the engine core
    and every worker receive with the config;
-6. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.exits`): vLLM SIGKILLs the engine's
-   processes when it is stopped, so the front end removes what they could not.
+6. registers the front end's clean-up at exit (:mod:`vllm_elastic_kv.frontend.exits`): vLLM SIGKILLs the
+   engine's processes when it is stopped, so the front end removes what they could not.
 
 Model features that are only known once the workers report their KV cache specs (several KV cache
 groups, Mamba, MLA, ...) are checked by the scheduler at start-up (:mod:`vllm_elastic_kv.features`).
@@ -37,7 +37,7 @@ from elastic_kv.ranks import new_instance_name
 
 from vllm_elastic_kv import compat
 from vllm_elastic_kv.config import BACKEND_KEY, INSTANCE_KEY, OPTIONS_KEY, Backend, PluginConfig
-from vllm_elastic_kv.exits import register_clean_up
+from vllm_elastic_kv.frontend.exits import register_clean_up
 
 __all__ = ["SCHEDULERS", "SPECULATIVE_METHODS", "WORKERS", "activate", "patch", "unsupported"]
 
@@ -45,13 +45,13 @@ logger = logging.getLogger(__name__)
 
 # The platform's worker class -> our subclass of it.
 WORKERS = {
-    "vllm.v1.worker.gpu_worker.Worker": "vllm_elastic_kv.gpu_worker.ElasticGPUWorker",
-    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_elastic_kv.cpu_worker.ElasticCPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker": "vllm_elastic_kv.worker.gpu_worker.ElasticGPUWorker",
+    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_elastic_kv.worker.cpu_worker.ElasticCPUWorker",
 }
 # async_scheduling -> our scheduler.
 SCHEDULERS = {
-    False: "vllm_elastic_kv.scheduler.ElasticScheduler",
-    True: "vllm_elastic_kv.scheduler.ElasticAsyncScheduler",
+    False: "vllm_elastic_kv.scheduler.scheduler.ElasticScheduler",
+    True: "vllm_elastic_kv.scheduler.scheduler.ElasticAsyncScheduler",
 }
 # Speculative decoding methods served. N-gram drafts come from the tokens themselves (no KV of their own);
 # a draft model's attention layers join the target's KV cache groups, so its KV lies in the same blocks.
@@ -128,13 +128,15 @@ def activate(vllm_config: Any, plugin: PluginConfig, extensible_requested: bool 
     if model.enable_sleep_mode and arena is not None and model.sleep_mode_backend == "cumem":
         from vllm_elastic_kv import SLEEP_BACKEND
 
-        model.sleep_mode_backend = SLEEP_BACKEND  # asleep weights in the host arena (vllm_elastic_kv.sleep)
+        model.sleep_mode_backend = (
+            SLEEP_BACKEND  # asleep weights in the host arena (vllm_elastic_kv.worker.sleep)
+        )
     sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
     par.worker_cls = WORKERS.get(par.worker_cls, par.worker_cls)
     options = dict(vllm_config.additional_config.get(OPTIONS_KEY, {}))
     fresh = INSTANCE_KEY not in options
     options.setdefault(INSTANCE_KEY, plugin.instance or new_instance_name())
-    if fresh:  # this front end starts the engine: it cleans up after it (vllm_elastic_kv.exits)
+    if fresh:  # this front end starts the engine: it cleans up after it (vllm_elastic_kv.frontend.exits)
         register_clean_up(options[INSTANCE_KEY], par.world_size, plugin.elastic.registry_dir)
     vllm_config.additional_config[BACKEND_KEY] = Backend.ELASTIC.value
     vllm_config.additional_config[OPTIONS_KEY] = options

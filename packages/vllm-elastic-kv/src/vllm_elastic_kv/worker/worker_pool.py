@@ -1,9 +1,9 @@
 """One worker process's share of the elastic KV pool: its spaces, its ``SpaceGroup`` and its rank.
 
-Life cycle (driven by :class:`vllm_elastic_kv.worker.ElasticWorkerMixin`):
+Life cycle (driven by :class:`vllm_elastic_kv.worker.worker.ElasticWorkerMixin`):
 
 1. :meth:`WorkerPool.allocation` -- the context vLLM allocates the KV cache in; its ``torch.zeros`` calls
-   are served from fresh ``TensorSpace``\\ s (:mod:`vllm_elastic_kv.allocation`);
+   are served from fresh ``TensorSpace``\\ s (:mod:`vllm_elastic_kv.worker.allocation`);
 2. :meth:`WorkerPool.finish` -- once vLLM bound the per-layer views to its attention layers: the geometry
    of those real views (pages as the scheduler planned them), a ``SpaceGroup`` over the spaces, a
    :class:`~elastic_kv.ranks.Rank` serving it, and a :class:`~elastic_kv.ranks.SocketListener` on
@@ -32,10 +32,10 @@ from elastic_kv.errors import ConfigError
 from elastic_kv.geometry import BlockGeometry
 from elastic_kv.ranks import Rank, SocketListener, socket_path
 
-from vllm_elastic_kv.allocation import KVAllocation
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import check_plan, check_spaces, observed_geometry, planned_spaces, pool_geometry
+from vllm_elastic_kv.worker.allocation import KVAllocation
 
 __all__ = ["WorkerPool", "local_rank", "make_backend", "serve_locally"]
 

@@ -15,7 +15,7 @@ next ``schedule()``:
   in-flight output is dropped (:func:`_preempt`) and its tokens are sent again if it resumes in this same
   step -- which vLLM's own preemption never does;
 * cached prefix blocks on draining pages that no request holds are evicted
-  (:meth:`~vllm_elastic_kv.block_pool.ElasticBlockPool.evict_draining`).
+  (:meth:`~vllm_elastic_kv.scheduler.block_pool.ElasticBlockPool.evict_draining`).
 
 The pages then empty and are released once no step in flight can read them: at once with synchronous
 scheduling, when the step in flight completes with asynchronous scheduling. So the pool is under its
@@ -37,7 +37,7 @@ from typing import Any
 from elastic_kv.ledger.drain import order_by_holders
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_elastic_kv.block_pool import owned_by
+from vllm_elastic_kv.scheduler.block_pool import owned_by
 
 __all__ = ["drain_order", "vacate_draining_pages"]
 

@@ -28,7 +28,7 @@ the ceiling stays -- a request that hangs, and an engine loop that spins.
   polling their queue for a second; so a step that scheduled nothing because memory was refused, with no
   step in flight, stalls the scheduler: vLLM's loop blocks on its input queue as when idle, until a request
   arrives or is aborted, ``kvctl`` changes a record, or the room outside the pool grows (the idle watcher,
-  :class:`vllm_elastic_kv.idle.IdleControl`, sees the last two and wakes the loop).
+  :class:`vllm_elastic_kv.scheduler.idle.IdleControl`, sees the last two and wakes the loop).
 * **What ``kvctl`` sees** (:meth:`RequestFit.observe`): the largest unfinished request's need is published
   with the pool's snapshot (``largest_request_bytes``), so ``kvctl`` refuses a limit or a budget below it.
 """

@@ -1,6 +1,6 @@
 """Vacating the pages a lowered limit releases, without an engine: vLLM's KV cache manager over the
 elastic block pool, the real ledger and data plane (the stack of ``test_vllm_block_pool``), and the few
-scheduler attributes :mod:`vllm_elastic_kv.evacuate` uses. The real scheduler's preemption runs in
+scheduler attributes :mod:`vllm_elastic_kv.scheduler.drain` uses. The real scheduler's preemption runs in
 ``test_vllm_limit_drain``; here its stand-in frees the request's blocks as ``_preempt_request`` does.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from test_vllm_block_pool import BLOCK, Stack, _allocate, _blocks, _finish, _stack
-from vllm_elastic_kv.evacuate import drain_order, vacate_draining_pages
+from vllm_elastic_kv.scheduler.drain import drain_order, vacate_draining_pages
 
 pytestmark = pytest.mark.vllm
 

@@ -47,12 +47,12 @@ from elastic_kv.ledger import Ledger
 from elastic_kv.ranks import Coordinator, CoordinatorMapper, InProcessTransport, SocketTransport, Transport
 from elastic_kv.registry import DeviceShare, create_shares
 
-from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.idle import IdleControl
 from vllm_elastic_kv.layout import pool_geometry, reserve_min_pages
-from vllm_elastic_kv.worker_pool import local_rank
+from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
+from vllm_elastic_kv.scheduler.idle import IdleControl
+from vllm_elastic_kv.worker.worker_pool import local_rank
 
 __all__ = ["SchedulerPool", "StepEpochs", "pool_name", "rank_devices"]
 
@@ -301,8 +301,8 @@ class SchedulerPool:
 
     def apply_control_idle(self) -> None:
         """``kvctl`` changed a record while the engine is idle (run on the scheduler's thread by
-        :class:`~vllm_elastic_kv.idle.IdleControl`): apply it now -- a trim returns the reserve, a limit
-        below what is held drops the prefix cache's pages and the reserve -- and publish the result."""
+        :class:`~vllm_elastic_kv.scheduler.idle.IdleControl`): apply it now -- a trim returns the reserve, a
+        limit below what is held drops the prefix cache's pages and the reserve -- and publish the result."""
         if not self.epochs.quiesce():
             return  # a step is in flight: its completion and the next steps apply the change
         self.ledger.settle()

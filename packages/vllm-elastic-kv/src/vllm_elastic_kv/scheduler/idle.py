@@ -9,10 +9,10 @@ joins ``EngineCore._idle_state_callbacks``, which the loop runs *on its thread* 
 work, and a ``WAKEUP`` request (what vLLM's shutdown path sends) unblocks the queue. A busy engine runs the
 callback once it is idle again; its steps apply the change meanwhile.
 
-The same wake-up serves a scheduler that stalled (:class:`vllm_elastic_kv.fit.Stall`: nothing can run until
-memory frees): ``wake_when``, polled with the revisions, says when the room outside the pool grew, and the
-callback then ends the stall on the loop's thread. vLLM's loop runs idle callbacks and then blocks on its
-queue in one pass (and a ``WAKEUP`` may have been consumed while the engine was busy), so a callback that
+The same wake-up serves a scheduler that stalled (:class:`vllm_elastic_kv.scheduler.fit.Stall`: nothing can
+run until memory frees): ``wake_when``, polled with the revisions, says when the room outside the pool grew,
+and the callback then ends the stall on the loop's thread. vLLM's loop runs idle callbacks and then blocks on
+its queue in one pass (and a ``WAKEUP`` may have been consumed while the engine was busy), so a callback that
 leaves the engine with work returns True, and another ``WAKEUP`` makes the loop look again.
 
 Only the engine core's busy loop (``EngineCoreProc``, vLLM's default) has that queue; an in-process engine

@@ -35,7 +35,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.block_pool import ElasticBlockPool
+from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
 
 __all__ = ["ElasticKVCacheManager", "admission_bound", "queued_hits"]
 
@@ -89,7 +89,7 @@ class ElasticKVCacheManager(KVCacheManager):
         pool = self.block_pool
         self._pool: ElasticBlockPool | None = pool if isinstance(pool, ElasticBlockPool) else None
         # Calls answered None (memory refused): the scheduler waits instead of spinning when a step
-        # scheduled nothing for want of memory (vllm_elastic_kv.fit.Stall).
+        # scheduled nothing for want of memory (vllm_elastic_kv.scheduler.fit.Stall).
         self.refusals = 0
 
     def allocate_slots(

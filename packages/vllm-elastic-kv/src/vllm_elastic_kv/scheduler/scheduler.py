@@ -7,15 +7,15 @@ picks the one matching ``async_scheduling``). They change these things:
   module) and ``BlockPool`` (in vLLM's coordinator module) are bound to the elastic subclasses, so vLLM's own
   construction code builds them with its own arguments (:func:`vllm_elastic_kv.compat.scoped_attribute`;
   restored when construction ends). Then the pool is connected to the ledger and the workers
-  (:class:`~vllm_elastic_kv.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
+  (:class:`~vllm_elastic_kv.scheduler.scheduler_pool.SchedulerPool`). Unsupported model features fail here.
 * ``add_request``: the pool starts mapping what the new request's prompt needs, in the background;
-* ``schedule``: first, while the pool is over a lowered limit, the requests holding blocks on the pages
-  it releases are preempted (:mod:`vllm_elastic_kv.evacuate`), and requests that need more than the pool's
-  limit or budget lets a request hold end with an error (:mod:`vllm_elastic_kv.fit`); while vLLM schedules
-  the step, the pool counts only the blocks it holds (the running requests' fast path); a step that
-  scheduled nothing for want of memory waits until something may have changed instead of spinning; after
-  it, the step's release epoch starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a
-  decode step refills the reserve only below what decode steps take, see :mod:`elastic_kv.ledger.reserve`);
+* ``schedule``: first, while the pool is over a lowered limit, the requests holding blocks on the pages it
+  releases are preempted (:mod:`vllm_elastic_kv.scheduler.drain`), and requests that need more than the pool's
+  limit or budget lets a request hold end with an error (:mod:`vllm_elastic_kv.scheduler.fit`); while vLLM
+  schedules the step, the pool counts only the blocks it holds (the running requests' fast path); a step that
+  scheduled nothing for want of memory waits until something may have changed instead of spinning; after it,
+  the step's release epoch starts and the pool does its housekeeping (reserve, ``kvctl`` limit; a decode step
+  refills the reserve only below what decode steps take, see :mod:`elastic_kv.ledger.reserve`);
 * ``_preempt_request``: every preemption (vLLM's own, or the limit's) is counted in the pool's record,
   where ``kvctl limit --wait`` reads what a limit cost;
 * ``update_from_output``: pages emptied while that step could still read them are released now, and the
@@ -23,7 +23,8 @@ picks the one matching ``async_scheduling``). They change these things:
   ``finish_requests`` or ``reset_prefix_cache``) the pool settles to the null block's page.
 
 While the engine is idle, ``kvctl`` changes (trim, limit, budget) are applied by
-:class:`~vllm_elastic_kv.idle.IdleControl`, which wakes the engine core's loop to run them on its thread.
+:class:`~vllm_elastic_kv.scheduler.idle.IdleControl`, which wakes the engine core's loop to run them on its
+thread.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_elastic_kv import compat
-from vllm_elastic_kv.block_pool import ElasticBlockPool
 from vllm_elastic_kv.config import PluginConfig
-from vllm_elastic_kv.evacuate import drain_order, vacate_draining_pages
 from vllm_elastic_kv.features import check_model, describe_groups
-from vllm_elastic_kv.fit import RequestFit, RequestNeeds, Stall
-from vllm_elastic_kv.idle import IdleControl, constructing_engine_core
-from vllm_elastic_kv.kv_cache_manager import ElasticKVCacheManager
-from vllm_elastic_kv.scheduler_pool import SchedulerPool
+from vllm_elastic_kv.scheduler.block_pool import ElasticBlockPool
+from vllm_elastic_kv.scheduler.drain import drain_order, vacate_draining_pages
+from vllm_elastic_kv.scheduler.fit import RequestFit, RequestNeeds, Stall
+from vllm_elastic_kv.scheduler.idle import IdleControl, constructing_engine_core
+from vllm_elastic_kv.scheduler.kv_cache_manager import ElasticKVCacheManager
+from vllm_elastic_kv.scheduler.scheduler_pool import SchedulerPool
 
 __all__ = ["ElasticAsyncScheduler", "ElasticScheduler", "ElasticSchedulerMixin"]
 
@@ -116,7 +117,7 @@ class ElasticSchedulerMixin:
 
     def add_request(self, request: Any) -> None:
         """vLLM's ``add_request``; then the pool maps ahead for the prompt (see
-        :meth:`~vllm_elastic_kv.scheduler_pool.SchedulerPool.request_added`)."""
+        :meth:`~vllm_elastic_kv.scheduler.scheduler_pool.SchedulerPool.request_added`)."""
         super().add_request(request)  # type: ignore[misc]
         self.elastic_stall.end()
         self.elastic_pool.request_added(request.num_tokens)
@@ -124,10 +125,11 @@ class ElasticSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, counting only the blocks the pool holds for its running requests (see
-        :mod:`vllm_elastic_kv.kv_cache_manager`), after vacating the pages a lowered limit releases and
-        ending the requests that cannot fit under the pool's ceiling (:mod:`vllm_elastic_kv.fit`); when it
-        scheduled nothing for want of memory and no step is in flight, it first waits for a change
-        (:class:`~vllm_elastic_kv.fit.Stall`). The returned step carries its release epoch."""
+        :mod:`vllm_elastic_kv.scheduler.kv_cache_manager`), after vacating the pages a lowered limit releases
+        and ending the requests that cannot fit under the pool's ceiling
+        (:mod:`vllm_elastic_kv.scheduler.fit`); when it scheduled nothing for want of memory and no step is in
+        flight, it first waits for a change (:class:`~vllm_elastic_kv.scheduler.fit.Stall`). The returned step
+        carries its release epoch."""
         elastic = self.elastic_pool
         if elastic.ledger.draining:
             vacate_draining_pages(self)

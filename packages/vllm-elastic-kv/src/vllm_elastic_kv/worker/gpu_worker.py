@@ -1,10 +1,11 @@
-"""``--worker-cls vllm_elastic_kv.gpu_worker.ElasticGPUWorker``: vLLM's GPU worker, elastic KV cache."""
+"""vLLM's GPU worker, elastic KV cache: the front end selects it as
+``--worker-cls vllm_elastic_kv.worker.gpu_worker.ElasticGPUWorker``."""
 
 from __future__ import annotations
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_elastic_kv.worker import ElasticWorkerMixin
+from vllm_elastic_kv.worker.worker import ElasticWorkerMixin
 
 __all__ = ["ElasticGPUWorker"]
 
