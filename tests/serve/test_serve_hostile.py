@@ -87,8 +87,10 @@ def _check(reply: httpx.Response) -> None:
 
 def _balanced(sup: Supervisor) -> None:
     deadline = time.monotonic() + 5
-    while any(rt.queued or rt.in_flight for rt in sup.models.values()):
-        assert time.monotonic() < deadline, [(rt.name, rt.queued, rt.in_flight) for rt in sup.models.values()]
+    while any(rt.queued or rt.in_flight for rt in sup.fleet.models.values()):
+        assert time.monotonic() < deadline, [
+            (rt.name, rt.queued, rt.in_flight) for rt in sup.fleet.models.values()
+        ]
         time.sleep(0.01)
 
 
@@ -140,7 +142,7 @@ def test_the_server_still_answers_after_the_storm(app: tuple[TestClient, Supervi
     assert client.get("/health").json() == {"status": "ok"}
     status = client.get("/status", headers={"authorization": "Bearer k"}).json()
     assert [m["state"] for m in status["models"]] == ["asleep", "asleep"]
-    assert not sup.closing
+    assert not sup.fleet.closing
 
 
 # ------------------------------------------------------------------------------------ slow and lost clients

@@ -107,8 +107,9 @@ def test_two_models_waking_at_once_do_not_wait_for_each_others_claim(tmp_path: P
     instead of both waiting on weights that neither has loaded (the claim of a model still waiting for
     room does not count against the budget)."""
     from elastic_kv_serve.config import parse_config
+    from elastic_kv_serve.errors import ModelUnavailable
     from elastic_kv_serve.runtime import State
-    from elastic_kv_serve.supervisor import ModelUnavailable, Supervisor
+    from elastic_kv_serve.supervisor import Supervisor
 
     config = parse_config(
         {
@@ -123,20 +124,20 @@ def test_two_models_waking_at_once_do_not_wait_for_each_others_claim(tmp_path: P
 
     async def scenario() -> None:
         sup = Supervisor(config, poll_s=0.01)
-        a, b = sup.models["a"], sup.models["b"]
+        a, b = sup.fleet.models["a"], sup.fleet.models["b"]
         try:
             a.set_state(State.WAKING)  # both claimed by requests, neither loaded
             b.set_state(State.WAKING)
-            await sup._make_room(a, deadline=time.monotonic() + 5)
+            await sup.room.make_room(a, deadline=time.monotonic() + 5)
             assert a.has_room and not b.has_room
-            assert sup.used_bytes() == 10 * MiB
+            assert sup.fleet.used_bytes() == 10 * MiB
             with pytest.raises(ModelUnavailable):
-                await sup._make_room(b, deadline=time.monotonic() + 0.1)
+                await sup.room.make_room(b, deadline=time.monotonic() + 0.1)
             assert not b.has_room
             a.set_state(State.ASLEEP)
-            assert not a.has_room and sup.used_bytes() == 0
+            assert not a.has_room and sup.fleet.used_bytes() == 0
         finally:
-            await sup.client.aclose()
+            await sup.fleet.client.aclose()
 
     asyncio.run(scenario())
 

@@ -9,7 +9,7 @@ Event metrics (recorded as they happen)::
     elastic_kv_serve_sleep_seconds{model,level}                sleep latency (histogram; level 1, 2, stop)
     elastic_kv_serve_restarts_total{model}                     engine restarts after a failure
 
-State metrics (read from the supervisor at each scrape)::
+State metrics (read from the server's :class:`elastic_kv_serve.fleet.Fleet` at each scrape)::
 
     elastic_kv_serve_model_state{model,state}                  1 for the model's current state
     elastic_kv_serve_model_in_flight{model}                    requests being served
@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from elastic_kv_serve.runtime import State
 
 if TYPE_CHECKING:
-    from elastic_kv_serve.supervisor import Supervisor
+    from elastic_kv_serve.fleet import Fleet
 
 __all__ = ["ServeMetrics"]
 
@@ -57,11 +57,11 @@ _WAKE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 5, 10, 20, 30, 60, 120, 300, 6
 
 class _StateCollector(Collector):
     def __init__(self) -> None:
-        self.supervisor: Supervisor | None = None
+        self.fleet: Fleet | None = None
 
     def collect(self) -> Iterator[Metric]:
-        sup = self.supervisor
-        if sup is None:
+        fleet = self.fleet
+        if fleet is None:
             return
         state = GaugeMetricFamily(
             "elastic_kv_serve_model_state", "1 for the model's state", labels=["model", "state"]
@@ -85,7 +85,7 @@ class _StateCollector(Collector):
                 ("suspends", "sleeps while serving, its requests kept"),
             )
         }
-        for rt in sup.models.values():
+        for rt in fleet.models.values():
             for s in State:
                 state.add_metric([rt.name, s.value], 1.0 if rt.state is s else 0.0)
             gauges["in_flight"].add_metric([rt.name], rt.in_flight)
@@ -101,31 +101,31 @@ class _StateCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         budget = GaugeMetricFamily("elastic_kv_serve_budget_bytes", "device budget of the models (0 = none)")
-        budget.add_metric([], sup.budget_bytes or 0)
+        budget.add_metric([], fleet.budget_bytes or 0)
         yield budget
         used = GaugeMetricFamily("elastic_kv_serve_used_bytes", "awake weights plus every model's KV")
-        used.add_metric([], sup.used_bytes())
+        used.add_metric([], fleet.used_bytes())
         yield used
         host_budget = GaugeMetricFamily(
             "elastic_kv_serve_host_budget_bytes", "host memory for asleep weights"
         )
-        host_budget.add_metric([], sup.host.budget_bytes)
+        host_budget.add_metric([], fleet.host.budget_bytes)
         yield host_budget
         host_used = GaugeMetricFamily("elastic_kv_serve_host_used_bytes", "host memory asleep weights take")
-        host_used.add_metric([], sup.host_used_bytes())
+        host_used.add_metric([], fleet.host_used_bytes())
         yield host_used
-        yield from _router_metrics(sup)
+        yield from _router_metrics(fleet)
 
 
-def _router_metrics(sup: Supervisor) -> Iterator[Metric]:
+def _router_metrics(fleet: Fleet) -> Iterator[Metric]:
     """The state routers read, under vLLM's metric names (see the module docstring)."""
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting", labels=["model_name"])
     running = GaugeMetricFamily("vllm:num_requests_running", "requests being served", labels=["model_name"])
     usage = GaugeMetricFamily(
         "vllm:kv_cache_usage_perc", "part of the device budget in use (0 to 1)", labels=["model_name"]
     )
-    used = sup.used_bytes() / sup.budget_bytes if sup.budget_bytes else 0.0
-    for rt in sup.models.values():
+    used = fleet.used_bytes() / fleet.budget_bytes if fleet.budget_bytes else 0.0
+    for rt in fleet.models.values():
         waiting.add_metric([rt.name], rt.queued)
         running.add_metric([rt.name], rt.in_flight)
         usage.add_metric([rt.name], min(1.0, used))
@@ -170,9 +170,9 @@ class ServeMetrics:
         self._state = _StateCollector()
         self.registry.register(self._state)
 
-    def bind(self, supervisor: Supervisor) -> None:
-        """Read state metrics from ``supervisor`` at each scrape."""
-        self._state.supervisor = supervisor
+    def bind(self, fleet: Fleet) -> None:
+        """Read state metrics from ``fleet`` at each scrape."""
+        self._state.fleet = fleet
 
     def render(self) -> bytes:
         """The text exposition format."""

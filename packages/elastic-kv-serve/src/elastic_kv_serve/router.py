@@ -40,8 +40,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from elastic_kv_serve.auth import ApiKey, Keys, open_paths
 from elastic_kv_serve.config import ServeConfig
+from elastic_kv_serve.errors import ModelUnavailable, QueueFull, UnknownModel
 from elastic_kv_serve.runtime import ModelRuntime
-from elastic_kv_serve.supervisor import ModelUnavailable, QueueFull, Supervisor, UnknownModel
+from elastic_kv_serve.supervisor import Supervisor
 
 __all__ = ["create_app", "openai_error"]
 
@@ -115,6 +116,7 @@ def create_app(
     """The app; its lifespan starts the supervisor and, after the HTTP server drained, stops it. ``keys``:
     the API keys every route but the probes needs (none: an open server)."""
     sup = supervisor or Supervisor(config)
+    fleet = sup.fleet
     keys = keys or Keys([])
     unlocked = open_paths(config.server)
     max_tokens = config.server.max_tokens
@@ -156,13 +158,13 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if sup.closing:
+        if fleet.closing:
             return openai_error(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> Response:
-        if sup.closing:
+        if fleet.closing:
             return openai_error(503, "the server is shutting down")
         if not sup.started_up:
             return openai_error(503, "the server is starting its models")
@@ -170,11 +172,11 @@ def create_app(
 
     @app.get("/status")
     async def status() -> Response:
-        return JSONResponse(sup.status())
+        return JSONResponse(fleet.status())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(sup.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(fleet.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -186,7 +188,7 @@ def create_app(
                 "owned_by": "elastic-kv",
                 "state": rt.state.value,
             }
-            for rt in sup.models.values()
+            for rt in fleet.models.values()
             if allowed(request, rt.name)
         ]
         return JSONResponse({"object": "list", "data": data})
@@ -231,8 +233,8 @@ def create_app(
                 body = json.dumps({**payload, "max_tokens": max_tokens}).encode()
 
         def done(code: int) -> None:
-            sup.metrics.requests.labels(name, path, str(code)).inc()
-            sup.metrics.request_seconds.labels(name, path).observe(time.monotonic() - t0)
+            fleet.metrics.requests.labels(name, path, str(code)).inc()
+            fleet.metrics.request_seconds.labels(name, path).observe(time.monotonic() - t0)
 
         # A request that never reached the engine (refused connection: the engine died before the
         # supervisor noticed) is safe to send again: it waits for the restart like any other request.

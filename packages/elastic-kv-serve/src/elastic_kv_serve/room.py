@@ -1,0 +1,128 @@
+"""Making room on the device: a model that wakes or starts needs its weights plus the KV it held when idle
+within ``[server] budget``. Idle models are put to sleep first
+(:func:`elastic_kv_serve.policy.choose_victims`); while none can go, the serving models' KV is shared with
+the waiting model (:mod:`.shares`), or, with ``suspend_busy`` and where a share would fall below its floor,
+serving models are suspended (:func:`elastic_kv_serve.policy.choose_suspensions`); else the model waits,
+until its deadline, for one to become idle. Also the KV pressure of serving models: an idle neighbour
+sleeps so that they grow into its memory (:func:`elastic_kv_serve.policy.pressure_victim`). One make-room
+decision at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from elastic_kv_serve import policy
+from elastic_kv_serve.errors import ModelUnavailable
+from elastic_kv_serve.fleet import Fleet
+from elastic_kv_serve.runtime import ModelRuntime, State
+from elastic_kv_serve.shares import KvShares
+from elastic_kv_serve.sleep import SleepMoves
+
+__all__ = ["NoRoomYet", "RoomMaker"]
+
+logger = logging.getLogger(__name__)
+
+
+class NoRoomYet(Exception):
+    """A suspended model's wake found no room at once; it stays suspended and is tried again later."""
+
+
+class RoomMaker:
+    """Room for the models of one :class:`Fleet` (see the module docstring)."""
+
+    def __init__(self, fleet: Fleet, sleeps: SleepMoves, shares: KvShares) -> None:
+        self.fleet = fleet
+        self.sleeps = sleeps
+        self.shares = shares
+        self.lock = asyncio.Lock()  # one make-room decision at a time
+
+    async def make_room(self, rt: ModelRuntime, deadline: float | None, wait: bool = True) -> None:
+        """Put idle models to sleep (or suspend serving ones) until ``rt``'s weights and idle KV fit the
+        budget; wait for models to become idle while none can go; ``ModelUnavailable`` at the deadline.
+        ``wait=False``: :class:`NoRoomYet` instead of waiting (also while another model makes room)."""
+        need = rt.weights_bytes + rt.idle_kv_bytes
+        if not wait and self.lock.locked():
+            raise NoRoomYet
+        async with self.lock:
+            rt.has_room = False  # a claim made at start-up is made again here, against what holds now
+            try:
+                await self._make_room_locked(rt, need, deadline, wait)
+            finally:
+                self.shares.waiting.pop(rt.name, None)
+            # The newcomer's weights leave the budget before it loads, so neighbours' KV cannot take them.
+            rt.has_room = True
+            self.fleet.sync_budget()
+
+    async def _make_room_locked(
+        self, rt: ModelRuntime, need: int, deadline: float | None, wait: bool
+    ) -> None:
+        """`make_room` under its lock: sleep idle victims, suspend serving ones (where KV shares cannot
+        make room), or wait (sharing the serving models' KV with ``rt``)."""
+        fleet = self.fleet
+        while True:
+            used = fleet.used_bytes(exclude=rt)
+            candidates = fleet.awake_candidates(exclude=rt)
+            victims = policy.choose_victims(
+                candidates, need_bytes=need, used_bytes=used, budget_bytes=fleet.budget_bytes,
+                for_priority=rt.config.priority,
+            )  # fmt: skip
+            if victims is not None:
+                for victim in victims:
+                    logger.info("model %s sleeps to make room for %s", victim.name, rt.name)
+                    await self.sleeps.sleep(fleet.models[victim.name], reason=f"room for {rt.name}")
+                if not victims or policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
+                    return
+            elif fleet.config.server.suspend_busy and not (wait and self.shares.would_make_room(rt)):
+                busy = policy.choose_suspensions(
+                    fleet.awake_candidates(exclude=rt, suspendable=True), need_bytes=need, used_bytes=used,
+                    budget_bytes=fleet.budget_bytes, for_priority=rt.config.priority,
+                    awake_before=self._awake_before(rt, wait),
+                )  # fmt: skip
+                if busy:
+                    for victim in busy:
+                        await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)
+                    if policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
+                        return
+            if not wait:
+                raise NoRoomYet
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ModelUnavailable(
+                    f"no memory for model {rt.name}: every model holding it is busy or pinned"
+                )
+            if victims is None and rt.name not in self.shares.waiting:
+                self.shares.waiting[rt.name] = rt  # the serving models' KV is shared with it
+                await self.shares.share_kv()
+            await asyncio.sleep(fleet.poll_s)
+            await fleet.refresh_kv()
+
+    def _awake_before(self, rt: ModelRuntime, wait: bool) -> float:
+        """Models awake since this monotonic time or earlier may be suspended for ``rt``: ``min_awake_s``
+        ago for a wake that requests wait for; for a suspended model's own wake (``wait=False``), only once
+        it has been suspended ``max_suspend_s``, and then only models awake since before its suspension."""
+        srv = self.fleet.config.server
+        now = time.monotonic()
+        if wait:
+            return now - srv.min_awake_s
+        if now - rt.suspended_since < srv.max_suspend_s:
+            return -math.inf
+        return min(now - srv.min_awake_s, rt.suspended_since)
+
+    def relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
+        """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep
+        (one at a time: none is sleeping or waking now), so that it grows into its memory (:mod:`.policy`)."""
+        fleet = self.fleet
+        if any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values()):
+            return
+        window = max(fleet.config.server.pressure_idle_s, 4 * fleet.poll_s)
+        if not any(r.busy and now - r.kv_grew_at <= window for r in fleet.models.values()):
+            return  # no model serving is growing its KV: it needs no room
+        victim = policy.pressure_victim(
+            awake, used_bytes=fleet.used_bytes(), budget_bytes=fleet.budget_bytes,
+            headroom_bytes=fleet.kv_headroom_bytes, now=now, min_idle_s=fleet.config.server.pressure_idle_s,
+        )  # fmt: skip
+        if victim is not None and not fleet.models[victim.name].lock.locked():
+            rt = fleet.models[victim.name]
+            fleet.spawn(self.sleeps.idle_sleep(rt, "KV room for the models serving"), f"sleep-{rt.name}")
