@@ -92,3 +92,20 @@ def code_parameters(obj: Callable[..., Any]) -> list[str]:
 @pytest.mark.parametrize("call", sorted(DOCUMENTED))
 def test_documented_signature_matches_the_code(call: str) -> None:
     assert documented_parameters(DOC.read_text(), call) == code_parameters(DOCUMENTED[call]), call.strip()
+
+
+README = DOC.parents[1] / "README.md"
+SOURCES = DOC.parents[1] / "packages"
+
+
+def test_the_readme_names_every_folder_of_the_packages() -> None:
+    """The README's layout section gives each subpackage (a folder with an ``__init__.py`` below a
+    package's top level) a line of its own: a folder added or renamed without it fails here."""
+    text = README.read_text()
+    folders = sorted(
+        f"{init.parent.parent.name}/{init.parent.name}/"
+        for init in SOURCES.glob("*/src/*/*/__init__.py")
+        if "egg-info" not in str(init)
+    )
+    missing = [f for f in folders if not re.search(rf"^{re.escape(f)}\s", text, re.MULTILINE)]
+    assert folders and not missing, f"README.md's layout section lacks {missing}"
