@@ -23,7 +23,9 @@ their KV back (preempted) and pause while it sleeps, then grow it again and fini
 ``--refuse-keep`` answers such a sleep with 409 and stays awake. ``GET /stats``: preemptions, and the
 requests suspended by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
 engine core can while its API server waits for clients to close their connections: ``/health`` answers 503
-from then on, and completions, sleeps and wakes wait for an answer that never comes.
+from then on, and completions, sleeps and wakes wait for an answer that never comes. A completion whose
+body names a file in ``die_once`` that does not exist yet creates it and ends the process at once, holding
+the request (an engine that dies under a request, once).
 """
 
 from __future__ import annotations
@@ -184,6 +186,10 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
+        marker = body.get("die_once")
+        if marker and not Path(marker).exists():  # the process dies holding this request, once
+            Path(marker).touch()
+            os._exit(1)
         await core()
         if engine.weights is None:
             return JSONResponse({"error": {"message": "asleep", "code": 503}}, status_code=503)

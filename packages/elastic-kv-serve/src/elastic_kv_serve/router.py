@@ -74,8 +74,9 @@ def openai_error(
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
-# Times a request refused at connect (never delivered) is sent again, each after the model is ready again.
-_CONNECT_ATTEMPTS = 3
+# Times a request is sent to its model's engine at most: again only while the engine never answered it and is
+# gone (see _proxy), each time after the model is ready again.
+_SEND_ATTEMPTS = 3
 
 
 class _TooLarge(Exception):
@@ -236,9 +237,13 @@ def create_app(
             fleet.metrics.requests.labels(name, path, str(code)).inc()
             fleet.metrics.request_seconds.labels(name, path).observe(time.monotonic() - t0)
 
-        # A request that never reached the engine (refused connection: the engine died before the
-        # supervisor noticed) is safe to send again: it waits for the restart like any other request.
-        for attempt in range(_CONNECT_ATTEMPTS):
+        # A request refused at connect never reached the engine (it died before the supervisor noticed): it
+        # is sent again. One the engine took and then died under, before any answer, is sent again once:
+        # nothing of it reached the client, and what the engine held died with it; a request that kills its
+        # engine twice is not sent a third time. Either waits for the restart like any other request. One
+        # an engine that lives failed to answer is not sent twice.
+        lost_once = False
+        for attempt in range(_SEND_ATTEMPTS):
             stack = contextlib.AsyncExitStack()
             try:
                 url = await stack.enter_async_context(sup.admit(rt))
@@ -254,9 +259,13 @@ def create_app(
                 return openai_error(code, str(exc), retry_after_s=exc.retry_after_s)
             except httpx.HTTPError as exc:
                 await stack.aclose()
-                await sup.upstream_failed(rt)
-                if isinstance(exc, httpx.ConnectError) and attempt + 1 < _CONNECT_ATTEMPTS:
-                    logger.info("model %s: engine unreachable, sending the request again", name)
+                gone = await sup.upstream_failed(rt)
+                refused = isinstance(exc, httpx.ConnectError)
+                if (refused or (gone and not lost_once)) and attempt + 1 < _SEND_ATTEMPTS:
+                    lost_once = lost_once or not refused
+                    logger.info(
+                        "model %s: no answer from its engine (%r), sending the request again", name, exc
+                    )
                     continue
                 done(503)
                 return openai_error(503, f"the engine of model {name} failed: {type(exc).__name__}")

@@ -202,18 +202,21 @@ class Supervisor:
             rt.touch()
             rt.notify()  # a request slot freed
 
-    async def upstream_failed(self, rt: ModelRuntime) -> None:
+    async def upstream_failed(self, rt: ModelRuntime) -> bool:
         """The router lost a request to ``rt``'s engine: if the engine is dead, fail the model now (its
         restart starts at once) instead of at the monitor's next look. A dying process closes its sockets
-        before it can be reaped, so this waits up to a second for the exit."""
+        before it can be reaped, so this waits up to a second for the exit. True when the engine is gone
+        (dead, or already cleaned up by another request's failure): what it held died with it."""
         engine = rt.engine
         for _ in range(20):
-            if engine is None or rt.engine is not engine or rt.state is not State.AWAKE:
-                return
+            if engine is None or rt.engine is not engine:
+                return True
             if not engine.alive():
-                await self._failed(rt, f"engine exited with {engine.proc.returncode}")
-                return
+                if rt.state is State.AWAKE:  # an engine asleep or suspended is the monitor's to clean up
+                    await self._failed(rt, f"engine exited with {engine.proc.returncode}")
+                return True
             await asyncio.sleep(0.05)
+        return False
 
     # ------------------------------------------------------------------ failures
 
