@@ -194,30 +194,9 @@ void TensorSpace::unmap_run(const std::vector<UnitSpan>& units, std::size_t firs
   for (std::size_t i = first; i <= last; ++i) maps_[units[i].start].kind = Kind::kHole;
 }
 
-void TensorSpace::hole_to_zero(std::uint32_t start) {
-  Mapping& m = maps_[start];
+void TensorSpace::map_accessible(std::uint32_t start, HandleId handle, const char* what) {
   const VAddr va = addr(start);
-  const std::size_t n = bytes(m.nslots);
-  backend_->map(va, n, m.zero->id());
-  try {
-    backend_->set_access(va, n);
-  } catch (...) {
-    const auto original = std::current_exception();
-    try {
-      backend_->unmap(va, n);
-    } catch (...) {
-      quarantine(start, "zero page mapped but set_access and the undoing unmap failed");
-    }
-    std::rethrow_exception(original);
-  }
-  m.kind = Kind::kZero;
-}
-
-void TensorSpace::hole_to_handle(std::uint32_t start, HandleId handle) {
-  Mapping& m = maps_[start];
-  const VAddr va = addr(start);
-  const std::size_t n = bytes(m.nslots);
-  m.handle = handle;  // from here on a failure may leave this handle mapped: remember it
+  const std::size_t n = bytes(maps_[start].nslots);
   backend_->map(va, n, handle);
   try {
     backend_->set_access(va, n);
@@ -226,10 +205,22 @@ void TensorSpace::hole_to_handle(std::uint32_t start, HandleId handle) {
     try {
       backend_->unmap(va, n);
     } catch (...) {
-      quarantine(start, "handle mapped but set_access and the undoing unmap failed");
+      quarantine(start, std::string(what) + " mapped but set_access and the undoing unmap failed");
     }
     std::rethrow_exception(original);
   }
+}
+
+void TensorSpace::hole_to_zero(std::uint32_t start) {
+  Mapping& m = maps_[start];
+  map_accessible(start, m.zero->id(), "zero page");
+  m.kind = Kind::kZero;
+}
+
+void TensorSpace::hole_to_handle(std::uint32_t start, HandleId handle) {
+  Mapping& m = maps_[start];
+  m.handle = handle;  // from here on a failure may leave this handle mapped: remember it
+  map_accessible(start, handle, "handle");
   m.kind = Kind::kHandle;
 }
 

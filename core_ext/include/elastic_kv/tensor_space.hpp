@@ -116,6 +116,9 @@ class TensorSpace {
   void swap_units(const std::vector<UnitSpan>& units, const std::vector<HandleId>* handles);
   void hole_to_zero(std::uint32_t start);
   void hole_to_handle(std::uint32_t start, HandleId handle);
+  // Maps `handle` over the hole at `start` and grants access; if access fails, unmaps it again (quarantining
+  // the unit, named by `what` in the reason, when that fails too) and rethrows.
+  void map_accessible(std::uint32_t start, HandleId handle, const char* what);
   // Rollback helpers: never throw; a failure quarantines the unit and returns false.
   bool restore_zero(std::uint32_t start) noexcept;
   bool restore_handle(std::uint32_t start, HandleId handle) noexcept;
