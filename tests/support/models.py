@@ -8,6 +8,9 @@ random weights from a fixed seed, so greedy decoding is deterministic across run
 * :func:`arch_model` -- a tiny model of any transformers architecture (:class:`ArchModelSpec`: a config
   class, a model class and the config's arguments; no tokenizer, engines run it with
   ``skip_tokenizer_init``). :data:`ARCH_MODELS` holds the attention families the engine tests cover.
+
+:func:`transformers_greedy` gives a model's greedy tokens by transformers' own implementation, the
+reference that engine tests check a native engine against.
 """
 
 from __future__ import annotations
@@ -260,6 +263,27 @@ def arch_model(spec: ArchModelSpec | str, cache_dir: Path | None = None) -> Path
         ),
         cache_dir,
     )
+
+
+def transformers_greedy(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, *, batch: bool = False
+) -> list[list[int]]:
+    """The greedy new tokens of transformers' ``model`` for each prompt (each prompt generated alone, or
+    all at once when ``batch``: prompts of one length). One compute thread, as the engines run: torch's
+    OpenMP pool spins against other work on 2 shared cores."""
+    import torch
+
+    greedy: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": None}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            if batch:
+                out = model.generate(torch.tensor(prompts), **greedy)
+                return out[:, len(prompts[0]) :].tolist()  # type: ignore[no-any-return]
+            return [model.generate(torch.tensor([p]), **greedy)[0, len(p) :].tolist() for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cached_model(
