@@ -28,6 +28,7 @@ from elastic_kv.snapshot import PoolSnapshot
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
+from tests.support.processes import stop_process
 
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
 LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
@@ -162,12 +163,7 @@ class EngineProcess:
                 pass
             self._conn.close()
             self._conn = None
-        if self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc, terminate=False)  # the driver ends on its own after the shutdown call
         self._log.close()
         engine_logs.unwatch(self.log_path)
 
