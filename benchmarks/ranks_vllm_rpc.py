@@ -93,18 +93,16 @@ def main() -> None:
     from elastic_kv.ranks import BroadcastTransport, Coordinator
     from vllm import LLM
 
-    from tests.support.models import tiny_model
+    from tests.support.models import tiny_vllm_args
 
     llm = LLM(
-        model=str(tiny_model()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        kv_cache_memory_bytes=32 << 20,
-        tensor_parallel_size=args.tp,
-        distributed_executor_backend=args.executor,
-        worker_extension_cls="ranks_vllm_rpc.RankExtension",
+        **tiny_vllm_args(
+            max_model_len=256,
+            kv_cache_memory_bytes=32 << 20,
+            tensor_parallel_size=args.tp,
+            distributed_executor_backend=args.executor,
+            worker_extension_cls="ranks_vllm_rpc.RankExtension",
+        )
     )
     # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the client is an InprocClient around the EngineCore itself.
     executor = llm.llm_engine.engine_core.engine_core.model_executor  # type: ignore[attr-defined]

@@ -31,19 +31,12 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from vllm import LLM, SamplingParams
 
-    from tests.support.models import tiny_model
+    from tests.support.models import tiny_vllm_args
 
     extra = {"additional_config": {"kv_cache_backend": "elastic"}} if args.child == "elastic" else {}
     start = time.perf_counter()
     llm = LLM(
-        model=str(tiny_model()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=2048,
-        enforce_eager=True,
-        kv_cache_memory_bytes=args.capacity << 20,
-        seed=0,
-        **extra,
+        **tiny_vllm_args(max_model_len=2048, kv_cache_memory_bytes=args.capacity << 20, seed=0, **extra)
     )
     started = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True, detokenize=False)

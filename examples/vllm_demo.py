@@ -40,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.support.models import tiny_model  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
 
 logger = logging.getLogger("vllm_demo")
 
@@ -129,13 +130,7 @@ class Server:
         return total
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def _rss_shmem(pid: int) -> int:

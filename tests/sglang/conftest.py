@@ -1,10 +1,12 @@
 """Fixtures of the SGLang plugin tests.
 
 Engine tests (marker ``sglang``) share one engine per module: each module builds its engines with
-:func:`tests.support.sglang_engine.start_engine` in a module-scoped fixture. An engine runs in its own
+:func:`tests.support.sglang_engine.start_engine` (or, where they share their settings, an
+:class:`tests.support.sglang_engine.EngineKind`) in a module-scoped fixture. An engine runs in its own
 driver process with the SGLang CPU environment (see :mod:`tests.support.sglang_engine`); this pytest
 process never imports sglang with that environment, so in-process unit tests see a plain SGLang import.
-Engine tests are skipped when the plugin is not installed (SGLang finds plugins by entry point only).
+Engine tests ask for ``sglang_plugin``: they are skipped when the plugin is not installed (SGLang finds
+plugins by entry point only).
 """
 
 from __future__ import annotations
@@ -21,10 +23,15 @@ UNIT_SLOT = 64 << 10
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path() -> Path:
-    """The tiny offline Llama (random weights, tokenizer) of tests/support/models.py."""
+def sglang_plugin() -> None:
+    """Skips the engine test that asks for it when the plugin is not installed."""
     if not plugin_installed():
         pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(sglang_plugin: None) -> Path:
+    """The tiny offline Llama (random weights, tokenizer) of tests/support/models.py."""
     return tiny_model()
 
 

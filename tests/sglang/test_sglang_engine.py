@@ -18,28 +18,24 @@ import pytest
 from elastic_kv.registry import Registry
 
 from tests.support.sglang_engine import (
+    HEAVY,
+    HEAVY_NEW,
     MIXED,
     MIXED_NEW,
+    EngineKind,
     EngineProcess,
+    check_quiet_and_alive,
     generate_under_lowered_limit,
     generate_watching_peaks,
     settled_snapshot,
-    start_engine,
 )
 
 pytestmark = pytest.mark.sglang
 
 MAX_TOTAL_TOKENS = 65536  # 64 MiB of KV for the tiny model: large enough to see in RSS
-SLOT = 64 << 10  # data-plane page size for the tests (the host backend's granularity is 4 KiB)
 SMALL = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
-# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens.
-HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
-HEAVY_NEW = 96
 BOUND = 256  # ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS of the page_size 16 engine
-
-
-def _engine_kwargs(page_size: int) -> dict[str, Any]:
-    return {"page_size": page_size, "max_total_tokens": MAX_TOTAL_TOKENS}
+ENGINES = EngineKind(kwargs={"max_total_tokens": MAX_TOTAL_TOKENS})
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +43,12 @@ def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
     """Native outputs at page_size 1 and 16 (the plugin installed, not enabled), and at page_size 1 with
     SGLang's plugin loader told to skip the plugin (``SGLANG_PLUGINS`` is its allow-list of names)."""
     out: dict[Any, dict[str, list[list[int]]]] = {}
-    with start_engine(
-        "native-skipped",
-        tiny_model_path,
-        backend="native",
-        env={"SGLANG_PLUGINS": "none"},
-        **_engine_kwargs(1),
+    with ENGINES.start(
+        "native-skipped", tiny_model_path, "native", {"SGLANG_PLUGINS": "none"}, page_size=1
     ) as eng:
         out["skipped"] = {"small": eng.generate(SMALL, max_new_tokens=24)}
     for ps in (1, 16):
-        with start_engine(f"native-ps{ps}", tiny_model_path, backend="native", **_engine_kwargs(ps)) as eng:
+        with ENGINES.start(f"native-ps{ps}", tiny_model_path, "native", {}, page_size=ps) as eng:
             out[ps] = {
                 "small": eng.generate(SMALL, max_new_tokens=24),
                 "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
@@ -68,27 +60,11 @@ def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
     return out
 
 
-def _elastic(name: str, model: Path, registry_dir: Path, ps: int, **env: str) -> EngineProcess:
-    return start_engine(
-        name,
-        model,
-        backend="elastic",
-        env={
-            "ELASTIC_KV_PAGE_SIZE": str(SLOT),
-            "ELASTIC_KV_REGISTRY_DIR": str(registry_dir),
-            "ELASTIC_KV_POOL_NAME": name,
-            "ELASTIC_KV_PUBLISH_INTERVAL_S": "0",
-            **env,
-        },
-        **_engine_kwargs(ps),
-    )
-
-
 @pytest.fixture(scope="module")
 def elastic_ps1(
     tiny_model_path: Path, registry_dir: Path, reference: dict[int, Any]
 ) -> Iterator[EngineProcess]:
-    with _elastic("elastic-ps1", tiny_model_path, registry_dir, 1) as eng:
+    with ENGINES.elastic("elastic-ps1", tiny_model_path, registry_dir, page_size=1) as eng:
         yield eng
 
 
@@ -97,9 +73,8 @@ def elastic_ps16(
     tiny_model_path: Path, registry_dir: Path, reference: dict[int, Any], elastic_ps1: EngineProcess
 ) -> Iterator[EngineProcess]:
     # Depends on elastic_ps1 only to order the module's engines; it closes after this one.
-    with _elastic(
-        "elastic-ps16", tiny_model_path, registry_dir, 16, ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS=str(BOUND)
-    ) as eng:
+    bound = {"ELASTIC_KV_SGLANG_MAX_CACHED_TOKENS": str(BOUND)}
+    with ENGINES.elastic("elastic-ps16", tiny_model_path, registry_dir, bound, page_size=16) as eng:
         yield eng
 
 
@@ -220,8 +195,4 @@ def test_idle_leak_check_ran_and_passed(
 ) -> None:
     """SGLang's idle check (available + evictable + ... == total, and the allocator's own accounting via
     verify_byte_accounting) runs on every idle scheduler pass and raises on a leak; it stayed on and quiet."""
-    eng = {"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name]
-    log = eng.log_path.read_text()
-    assert "memory leak detected" not in log
-    assert "Traceback" not in log
-    assert eng.call("get_server_info") is not None  # the scheduler is alive
+    check_quiet_and_alive({"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name])

@@ -21,22 +21,23 @@ from typing import Any
 import pytest
 from elastic_kv.registry import Registry
 
+from tests.support.models import transformers_greedy
 from tests.support.sglang_engine import (
+    HEAVY,
+    HEAVY_NEW,
+    EngineKind,
     EngineProcess,
+    check_quiet_and_alive,
     generate_under_lowered_limit,
     generate_watching_peaks,
-    plugin_installed,
-    reference_outputs,
     settled_snapshot,
-    start_engine,
 )
 from tests.support.sglang_models import GDN_ENGINE_ENV, tiny_gdn_model
 
 pytestmark = pytest.mark.sglang
 
 NAME = "gdn-elastic"
-SLOT = 64 << 10
-MAMBA_SLOTS = 64  # --max-mamba-cache-size: 16 pages of 4 state slots each at SLOT
+MAMBA_SLOTS = 64  # --max-mamba-cache-size: 16 pages of 4 state slots each at the engine tests' SLOT
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 38)), [3, 1, 4, 1, 5, 9, 2, 6], list(range(100, 150))]
 NEW = 12
 # More requests at once than the state slots a budget at the device's charge leaves (the dummy slot's page,
@@ -44,60 +45,35 @@ NEW = 12
 # token slots beside the null slot, always backed), so state slots are what they wait for.
 CROWD = [[(13 * i + 7) % 900 + 10, (5 * i + 3) % 900 + 10] for i in range(10)]
 CROWD_NEW = 2
-# A batch that outgrows a small KV limit in decode: 8 requests of 48 + 96 tokens.
-HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
-HEAVY_NEW = 96
-ENGINE_KWARGS: dict[str, Any] = {
-    "max_total_tokens": 4096,
-    "max_mamba_cache_size": MAMBA_SLOTS,
-    "mamba_radix_cache_strategy": "no_buffer",
-    "disable_overlap_schedule": True,
-}
 # GDN engines start slower than the tiny Llama's (more model code to import and build).
-START_TIMEOUT_S = 600.0
+ENGINES = EngineKind(
+    GDN_ENGINE_ENV,
+    {
+        "max_total_tokens": 4096,
+        "max_mamba_cache_size": MAMBA_SLOTS,
+        "mamba_radix_cache_strategy": "no_buffer",
+        "disable_overlap_schedule": True,
+    },
+    start_timeout_s=600.0,
+)
 
 
 @pytest.fixture(scope="module")
-def gdn_model() -> Path:
-    if not plugin_installed():
-        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+def gdn_model(sglang_plugin: None) -> Path:
     return tiny_gdn_model()
-
-
-def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
-    return start_engine(
-        name,
-        model,
-        backend=backend,
-        env={**GDN_ENGINE_ENV, **env},
-        start_timeout_s=START_TIMEOUT_S,
-        **ENGINE_KWARGS,
-    )
 
 
 @pytest.fixture(scope="module")
 def reference(gdn_model: Path) -> dict[str, list[list[int]]]:
-    """Native outputs (the plugin installed, not enabled)."""
-    with _start("gdn-native", gdn_model, "native") as eng:
-        runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "crowd": (CROWD, CROWD_NEW)}
-        return reference_outputs(eng, runs)
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "crowd": (CROWD, CROWD_NEW)}
+    return ENGINES.reference("gdn-native", gdn_model, runs)
 
 
 @pytest.fixture(scope="module")
 def elastic(gdn_model: Path, registry_dir: Path, reference: dict[str, Any]) -> Iterator[EngineProcess]:
-    with _start(
-        NAME,
-        gdn_model,
-        "elastic",
-        ELASTIC_KV_PAGE_SIZE=str(SLOT),
-        ELASTIC_KV_REGISTRY_DIR=str(registry_dir),
-        ELASTIC_KV_POOL_NAME=NAME,
-        ELASTIC_KV_PUBLISH_INTERVAL_S="0",
-        # No mapped reserve: what is mapped is what the slots hold (exact idle checks).
-        ELASTIC_KV_RESERVE_MIN="0",
-        ELASTIC_KV_RESERVE_MAX="0",
-        ELASTIC_KV_PREMAP="0",
-    ) as eng:
+    # No mapped reserve: what is mapped is what the slots hold (exact idle checks).
+    no_reserve = {"ELASTIC_KV_RESERVE_MIN": "0", "ELASTIC_KV_RESERVE_MAX": "0", "ELASTIC_KV_PREMAP": "0"}
+    with ENGINES.elastic(NAME, gdn_model, registry_dir, no_reserve) as eng:
         yield eng
 
 
@@ -117,17 +93,7 @@ def test_native_engine_matches_transformers(gdn_model: Path, reference: dict[str
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(gdn_model, dtype=torch.float32).eval()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the engines run: OpenMP spins against other work on 2 shared cores
-    try:
-        with torch.no_grad():
-            for prompt, expected in zip(PROMPTS, reference["prompts"], strict=True):
-                out = model.generate(
-                    torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
-                )
-                assert out[0, len(prompt) :].tolist() == expected
-    finally:
-        torch.set_num_threads(threads)
+    assert transformers_greedy(model, PROMPTS, NEW) == reference["prompts"]
 
 
 def test_outputs_equal_native(elastic: EngineProcess, reference: dict[str, Any]) -> None:
@@ -209,7 +175,4 @@ def test_sleep_returns_both_pools_and_wake_serves_the_same(
 def test_idle_leak_check_ran_and_passed(elastic: EngineProcess) -> None:
     """SGLang's idle checks (KV and Mamba: available + evictable + protected == total, and the allocators'
     own accounting via verify_byte_accounting, which covers the state ledger) stayed on and quiet."""
-    log = elastic.log_path.read_text()
-    assert "memory leak detected" not in log
-    assert "Traceback" not in log
-    assert elastic.call("get_server_info") is not None  # the scheduler is alive
+    check_quiet_and_alive(elastic)

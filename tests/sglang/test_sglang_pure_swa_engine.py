@@ -20,70 +20,48 @@ from typing import Any
 import pytest
 from elastic_kv.registry import Registry
 
+from tests.support.models import transformers_greedy
 from tests.support.sglang_engine import (
+    HEAVY,
+    HEAVY_NEW,
     MIXED,
     MIXED_NEW,
+    EngineKind,
     EngineProcess,
+    check_quiet_and_alive,
     generate_under_lowered_limit,
     generate_watching_peaks,
-    plugin_installed,
-    reference_outputs,
     settled_snapshot,
-    start_engine,
 )
 from tests.support.sglang_models import SWA_ENGINE_ENV, TINY_PURE_SWA, tiny_swa_model
 
 pytestmark = pytest.mark.sglang
 
 MAX_TOTAL_TOKENS = 1536
-SLOT = 64 << 10  # data-plane page size for the tests
 NAME = "pure-swa-elastic"
 POOL = f"{NAME}-swa"  # the one pool with memory; the full-attention side has no layers
 # Prompts shorter and longer than the window; the longest frees out-of-window slots while it decodes.
 PROMPTS = [[(5 * i + 3 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((40, 75, 110))]
 NEW = 40
-# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens (~8 x 96 slots at the peak).
-HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
-HEAVY_NEW = 96
+
+
+ENGINES = EngineKind(SWA_ENGINE_ENV, {"page_size": 1, "max_total_tokens": MAX_TOTAL_TOKENS})
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    if not plugin_installed():
-        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+def model(sglang_plugin: None) -> Path:
     return tiny_swa_model(TINY_PURE_SWA)
-
-
-def _start(name: str, model: Path, backend: str, **env: str) -> EngineProcess:
-    return start_engine(
-        name,
-        model,
-        backend=backend,
-        env={**SWA_ENGINE_ENV, **env},
-        page_size=1,
-        max_total_tokens=MAX_TOTAL_TOKENS,
-    )
 
 
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, list[list[int]]]:
-    """Native outputs (the plugin installed, not enabled)."""
-    with _start("pure-swa-native", model, "native") as eng:
-        runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "mixed": (MIXED, MIXED_NEW)}
-        return reference_outputs(eng, runs)
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "mixed": (MIXED, MIXED_NEW)}
+    return ENGINES.reference("pure-swa-native", model, runs)
 
 
 @pytest.fixture(scope="module")
 def elastic(model: Path, registry_dir: Path, reference: dict[str, Any]) -> Iterator[EngineProcess]:
-    with _start(
-        NAME,
-        model,
-        "elastic",
-        ELASTIC_KV_PAGE_SIZE=str(SLOT),
-        ELASTIC_KV_REGISTRY_DIR=str(registry_dir),
-        ELASTIC_KV_POOL_NAME=NAME,
-        ELASTIC_KV_PUBLISH_INTERVAL_S="0",
-    ) as eng:
+    with ENGINES.elastic(NAME, model, registry_dir) as eng:
         yield eng
 
 
@@ -94,17 +72,7 @@ def test_native_engine_matches_transformers(model: Path, reference: dict[str, An
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     assert set(hf.config.layer_types) == {"sliding_attention"}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the engines run: OpenMP spins against other work on 2 shared cores
-    try:
-        with torch.no_grad():
-            for prompt, expected in zip(PROMPTS, reference["prompts"], strict=True):
-                out = hf.generate(
-                    torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None
-                )
-                assert out[0, len(prompt) :].tolist() == expected
-    finally:
-        torch.set_num_threads(threads)
+    assert transformers_greedy(hf, PROMPTS, NEW) == reference["prompts"]
 
 
 def test_one_elastic_pool_serves_every_layer(elastic: EngineProcess, registry_dir: Path) -> None:
@@ -152,7 +120,4 @@ def test_lowered_limit_retracts_not_crashes(
 
 
 def test_idle_leak_check_ran_and_passed(elastic: EngineProcess) -> None:
-    log = elastic.log_path.read_text()
-    assert "memory leak detected" not in log
-    assert "Traceback" not in log
-    assert elastic.call("get_server_info") is not None  # the scheduler is alive
+    check_quiet_and_alive(elastic)

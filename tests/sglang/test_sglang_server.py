@@ -19,6 +19,7 @@ from elastic_kv_serve.engines import free_port
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
+from tests.support.processes import stop_process
 from tests.support.sglang_engine import LOG_DIR, engine_environ, kvctl, plugin_installed
 
 pytestmark = [
@@ -70,13 +71,7 @@ class Server:
         return engine_logs.tail(self.log_path, lines)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

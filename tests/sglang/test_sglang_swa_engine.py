@@ -20,13 +20,16 @@ import pytest
 from elastic_kv.registry import Registry
 from elastic_kv.snapshot import PoolSnapshot
 
+from tests.support.models import transformers_greedy
 from tests.support.sglang_engine import (
+    HEAVY,
+    HEAVY_NEW,
+    EngineKind,
     EngineProcess,
+    check_quiet_and_alive,
     generate_under_lowered_limit,
     generate_watching_peaks,
-    plugin_installed,
     settled_snapshot,
-    start_engine,
 )
 from tests.support.sglang_models import SWA_ENGINE_ENV, tiny_swa_model
 
@@ -36,65 +39,30 @@ pytestmark = pytest.mark.sglang
 # pool's tokens): from then on a token's SWA slot differs from its full-attention slot, which is what the
 # CPU attention correction and the elastic allocator's slot table must get right.
 MAX_TOTAL_TOKENS = 1536
-SLOT = 64 << 10  # data-plane page size for the tests
 WINDOW = 32  # the model's sliding window
 # Prompts longer than the window; with NEW tokens each request frees out-of-window SWA slots as it goes.
 PROMPTS = [[(5 * i + 3 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((40, 75, 110))]
 NEW = 40
-# A batch that outgrows a small limit in decode: 8 requests of 48 + 96 tokens.
-HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
-HEAVY_NEW = 96
+
+
+ENGINES = EngineKind(SWA_ENGINE_ENV, {"max_total_tokens": MAX_TOTAL_TOKENS})
 
 
 @pytest.fixture(scope="module")
-def swa_model() -> Path:
-    if not plugin_installed():
-        pytest.skip("sglang-elastic-kv is not installed (pip install -e packages/sglang-elastic-kv)")
+def swa_model(sglang_plugin: None) -> Path:
     return tiny_swa_model()
-
-
-def _start(name: str, model: Path, backend: str, page_size: int, **env: str) -> EngineProcess:
-    return start_engine(
-        name,
-        model,
-        backend=backend,
-        env={**SWA_ENGINE_ENV, **env},
-        page_size=page_size,
-        max_total_tokens=MAX_TOTAL_TOKENS,
-    )
 
 
 @pytest.fixture(scope="module")
 def reference(swa_model: Path) -> dict[int, dict[str, list[list[int]]]]:
-    """Native outputs at page_size 1 and 16 (the plugin installed, not enabled)."""
-    out: dict[int, dict[str, list[list[int]]]] = {}
-    for ps in (1, 16):
-        with _start(f"swa-native-ps{ps}", swa_model, "native", ps) as eng:
-            out[ps] = {
-                "prompts": eng.generate(PROMPTS, max_new_tokens=NEW),
-                "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
-            }
-            log = eng.log_path.read_text()
-            assert "Traceback" not in log and "memory leak detected" not in log
-    return out
-
-
-def _elastic(name: str, model: Path, registry_dir: Path, ps: int) -> EngineProcess:
-    return _start(
-        name,
-        model,
-        "elastic",
-        ps,
-        ELASTIC_KV_PAGE_SIZE=str(SLOT),
-        ELASTIC_KV_REGISTRY_DIR=str(registry_dir),
-        ELASTIC_KV_POOL_NAME=name,
-        ELASTIC_KV_PUBLISH_INTERVAL_S="0",
-    )
+    """Native outputs at page_size 1 and 16."""
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW)}
+    return {ps: ENGINES.reference(f"swa-native-ps{ps}", swa_model, runs, page_size=ps) for ps in (1, 16)}
 
 
 @pytest.fixture(scope="module")
 def elastic_ps1(swa_model: Path, registry_dir: Path, reference: dict[int, Any]) -> Iterator[EngineProcess]:
-    with _elastic("swa-elastic-ps1", swa_model, registry_dir, 1) as eng:
+    with ENGINES.elastic("swa-elastic-ps1", swa_model, registry_dir, page_size=1) as eng:
         yield eng
 
 
@@ -103,7 +71,7 @@ def elastic_ps16(
     swa_model: Path, registry_dir: Path, reference: dict[int, Any], elastic_ps1: EngineProcess
 ) -> Iterator[EngineProcess]:
     # Depends on elastic_ps1 only to order the module's engines; it closes after this one.
-    with _elastic("swa-elastic-ps16", swa_model, registry_dir, 16) as eng:
+    with ENGINES.elastic("swa-elastic-ps16", swa_model, registry_dir, page_size=16) as eng:
         yield eng
 
 
@@ -122,28 +90,11 @@ def test_native_engine_matches_transformers(swa_model: Path, reference: dict[int
 
     model = transformers.AutoModelForCausalLM.from_pretrained(swa_model, dtype=torch.float32).eval()
     assert model.config.sliding_window == WINDOW
-    greedy = {"do_sample": False, "eos_token_id": None}
-    threads = torch.get_num_threads()
-    # One thread, as the engines run: torch's OpenMP pool spins against other work on 2 shared cores.
-    torch.set_num_threads(1)
-    try:
-        _generate_and_compare(model, greedy, reference)
-    finally:
-        torch.set_num_threads(threads)
+    assert transformers_greedy(model, PROMPTS, NEW) == reference[1]["prompts"]
+    # The batch served after the first one: by then SWA slots and full slots differ.
+    assert transformers_greedy(model, HEAVY, HEAVY_NEW, batch=True) == reference[1]["heavy"]
     # The page size changes where KV lives, not what is computed: page_size 16 gives the same tokens.
     assert reference[16] == reference[1]
-
-
-def _generate_and_compare(model: Any, greedy: dict[str, Any], reference: dict[int, Any]) -> None:
-    import torch
-
-    with torch.no_grad():
-        for prompt, expected in zip(PROMPTS, reference[1]["prompts"], strict=True):
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, **greedy)
-            assert out[0, len(prompt) :].tolist() == expected
-        # The batch served after the first one: by then SWA slots and full slots differ.
-        out = model.generate(torch.tensor(HEAVY), max_new_tokens=HEAVY_NEW, **greedy)
-        assert out[:, len(HEAVY[0]) :].tolist() == reference[1]["heavy"]
 
 
 # -- page_size 1 --------------------------------------------------------------------------------------------
@@ -236,7 +187,4 @@ def test_idle_leak_check_ran_and_passed(
     eng = {"swa-elastic-ps1": elastic_ps1, "swa-elastic-ps16": elastic_ps16}[name]
     pools = {info.name for info in Registry(registry_dir).pools()}
     assert {f"{name}-full", f"{name}-swa"} <= pools  # both sub-pools elastic, each in the registry
-    log = eng.log_path.read_text()
-    assert "memory leak detected" not in log
-    assert "Traceback" not in log
-    assert eng.call("get_server_info") is not None  # the scheduler is alive
+    check_quiet_and_alive(eng)

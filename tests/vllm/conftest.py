@@ -51,6 +51,12 @@ def reference() -> dict[str, list[list[int]]]:
     return reference_tokens()
 
 
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The registry of the module's elastic engines (one engine per module)."""
+    return tmp_path_factory.mktemp("registry")
+
+
 # -- one engine per family class (vllm_families.FamilyChecks) ------------------------------------------
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,6 +13,7 @@ from elastic_kv.errors import ConfigError
 from vllm_elastic_kv import compat, register
 from vllm_elastic_kv.config import BACKEND_ENV, Backend, PluginConfig
 from vllm_elastic_kv.frontend import activation, cli
+from vllm_engines import engine_args
 
 from tests.support.models import tiny_model
 
@@ -119,37 +120,17 @@ def test_flag_rejects_unknown_backend(parser: Any) -> None:
 
 # --- create_engine_config ----------------------------------------------------------------------------
 def _config(monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    args = EngineArgs(
-        model=str(tiny_model()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        kv_cache_memory_bytes=8 << 20,
-        **kwargs,
-    )
-    return args.create_engine_config()
+    return engine_args(**kwargs).create_engine_config()
 
 
 def test_native_config_is_what_vllm_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     ours = _config(monkeypatch)
-    vllms = EngineArgs.create_engine_config.__wrapped__(  # vLLM's own function, under our wrapper
-        EngineArgs(
-            model=str(tiny_model()),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
-            kv_cache_memory_bytes=8 << 20,
-        )
-    )
+    vllms = EngineArgs.create_engine_config.__wrapped__(engine_args())  # vLLM's own, under our wrapper
     assert ours.additional_config == vllms.additional_config == {}
     assert ours.scheduler_config.scheduler_cls == vllms.scheduler_config.scheduler_cls
     assert ours.parallel_config.worker_cls == vllms.parallel_config.worker_cls

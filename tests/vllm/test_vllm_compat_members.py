@@ -21,8 +21,7 @@ from vllm_elastic_kv import compat
 from vllm_elastic_kv.compat import members
 from vllm_elastic_kv.config import BACKEND_ENV, PluginConfig
 from vllm_elastic_kv.frontend import activation
-
-from tests.support.models import tiny_model
+from vllm_engines import engine_args
 
 pytestmark = pytest.mark.vllm
 
@@ -36,18 +35,8 @@ def _version_text() -> str:
 
 
 def _native_config(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    args = EngineArgs(
-        model=str(tiny_model()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        kv_cache_memory_bytes=8 << 20,
-    )
-    return args.create_engine_config()
+    return engine_args().create_engine_config()
 
 
 _OFF_CPU = """

@@ -34,11 +34,6 @@ POOL = "test-elastic"
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     with elastic_llm(env, POOL, enable_prefix_caching=True, disable_log_stats=False) as engine:

@@ -39,11 +39,6 @@ PP = 2
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with elastic_llm(

@@ -32,11 +32,6 @@ TP = 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     if TP == 2:

@@ -417,21 +417,7 @@ def test_per_tensor_plan_holds_for_any_shape(data: st.DataObject) -> None:
         tensors = [torch.zeros(layer, dtype=torch.int8, device="cpu") for _ in names]
     views = [_per_tensor_views(shape, t, num_blocks, split_kv) for t in tensors]
     spaces = alloc.spaces
-    if views[0].shape[0] == views[0].shape[1]:
-        # A view whose first two axes both have num_blocks entries does not say which one is the blocks:
-        # refused at start-up by name (a real cache has thousands of blocks, more than KV heads).
-        with pytest.raises(ConfigError, match="cannot tell the block axis"):
-            observed_geometry(
-                views,
-                [s.base for s in spaces],
-                [s.size for s in spaces],
-                num_blocks,
-                planned.page_size,
-                planned.blocks_per_page,
-                "per_tensor",
-            )
-        return
-    observed = observed_geometry(
+    args = (
         views,
         [s.base for s in spaces],
         [s.size for s in spaces],
@@ -440,6 +426,13 @@ def test_per_tensor_plan_holds_for_any_shape(data: st.DataObject) -> None:
         planned.blocks_per_page,
         "per_tensor",
     )
+    if views[0].shape[0] == views[0].shape[1]:
+        # A view whose first two axes both have num_blocks entries does not say which one is the blocks:
+        # refused at start-up by name (a real cache has thousands of blocks, more than KV heads).
+        with pytest.raises(ConfigError, match="cannot tell the block axis"):
+            observed_geometry(*args)
+        return
+    observed = observed_geometry(*args)
     check_plan(planned, observed)
     check_spaces(observed, [s.size for s in spaces])
     assert observed.extent_tuples() == planned.extent_tuples()

@@ -110,16 +110,9 @@ def test_per_tensor_plan_is_0_26_packed_kv() -> None:
     Seen on the H200 with vLLM 0.26's FlashAttention: a plan of K and V halves was refused at start-up by
     :func:`check_plan` (different bytes per page); the default plan keeps a block's K and V together.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    nb, layer = 48, 48 * spec.page_size_bytes
-
-    class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
-        def __init__(self, name: str) -> None:
-            self.size, self.shared_by, self.offset, self.block_stride = layer, [name], 0, 0
-
-    cfg = KVCacheConfig(nb, [Tensor026("a"), Tensor026("b")], [KVCacheGroupSpec(["a", "b"], spec)])  # type: ignore[list-item]
+    nb = 48
+    cfg = _per_tensor_config(2, nb)
+    layer = cfg.kv_cache_tensors[0].size
     page = 16 * KIB
     planned = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8)
     backend = _vmm.HostBackend()
@@ -136,16 +129,9 @@ def test_per_tensor_plan_is_0_26_packed_kv() -> None:
 
 def test_per_tensor_plan_kv_halves() -> None:
     """vLLM 0.26-0.28: one buffer per layer; ROCm attention views it as (2, num_blocks, ...)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    nb, layer = 32, 32 * spec.page_size_bytes
-
-    class Tensor026:  # KVCacheTensor of 0.26: (size, shared_by, offset, block_stride)
-        def __init__(self, name: str) -> None:
-            self.size, self.shared_by, self.offset, self.block_stride = layer, [name], 0, 0
-
-    cfg = KVCacheConfig(nb, [Tensor026("a"), Tensor026("b")], [KVCacheGroupSpec(["a", "b"], spec)])  # type: ignore[list-item]
+    nb = 32
+    cfg = _per_tensor_config(2, nb)
+    layer = cfg.kv_cache_tensors[0].size
     page = 16 * KIB
     planned = planned_geometry(cfg, None, "per_tensor", page, max_page_slots=8, split_kv=True)
     backend = _vmm.HostBackend()

@@ -40,11 +40,6 @@ MAX_STEPS = 2  # steps from the one whose housekeeping sees the limit to the one
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
     env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with elastic_llm(env, POOL, enable_prefix_caching=True) as engine:

@@ -24,11 +24,6 @@ POOL = "test-serve"
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
     dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep, /wake_up, /reset_prefix_cache

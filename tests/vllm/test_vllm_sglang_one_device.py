@@ -41,11 +41,6 @@ SGL_KWARGS = {"page_size": 16, "max_total_tokens": 16384}
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("registry")
-
-
-@pytest.fixture(scope="module")
 def sglang_reference() -> list[list[int]]:
     with start_engine("one-device-native", tiny_model(), backend="native", **SGL_KWARGS) as eng:
         return eng.generate(BURST, max_new_tokens=BURST_NEW)

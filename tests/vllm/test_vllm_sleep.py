@@ -26,8 +26,7 @@ from vllm_elastic_kv import SLEEP_BACKEND, register
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.frontend import activation
 from vllm_elastic_kv.worker import worker
-
-from tests.support.models import tiny_model
+from vllm_engines import engine_args
 
 pytestmark = pytest.mark.vllm
 
@@ -72,15 +71,8 @@ def test_the_neighbour_check_is_a_log_line_other_failures_stay(caplog: pytest.Lo
 def _config(monkeypatch: pytest.MonkeyPatch, arena: Path | None, sleep_mode: bool) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(
-        model=str(tiny_model()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        kv_cache_memory_bytes=8 << 20,
-    )
-    config = EngineArgs.create_engine_config.__wrapped__(args)  # vLLM's own config, not yet activated
+    # vLLM's own config, not yet activated
+    config = EngineArgs.create_engine_config.__wrapped__(engine_args())
     # vLLM's CPU platform refuses --enable-sleep-mode when the config is built; the flag is what activation
     # reads, so it is set on the built config.
     config.model_config.enable_sleep_mode = sleep_mode

@@ -29,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.support import engine_logs  # noqa: E402
-from tests.support.models import tiny_model  # noqa: E402
+from tests.support.models import tiny_model, tiny_vllm_args  # noqa: E402
 from tests.support.once import json_once  # noqa: E402
 
 # 64 MiB of virtual capacity: 512 blocks of 128 tokens (vLLM's CPU block size) x 2 layers x 64 KiB.
@@ -49,17 +49,17 @@ NATIVE_ENV = {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""}
 
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:
     """``LLM(...)`` arguments of every engine test: the tiny model, float32, eager, fixed capacity."""
-    kwargs: dict[str, Any] = {
-        "model": str(tiny_model()),
-        "skip_tokenizer_init": True,
-        "dtype": "float32",
-        "max_model_len": 1024,
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": CAPACITY,
-        "seed": 0,
-    }
-    kwargs.update(overrides)
-    return kwargs
+    return tiny_vllm_args(
+        **{"max_model_len": 1024, "kv_cache_memory_bytes": CAPACITY, "seed": 0, **overrides}
+    )
+
+
+def engine_args(**overrides: Any) -> Any:
+    """vLLM's ``EngineArgs`` of the tiny model for tests that build a configuration and start no engine:
+    no tokenizer, float32, eager, 256 tokens, 8 MiB of KV cache."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(**tiny_vllm_args(max_model_len=256, kv_cache_memory_bytes=8 << 20, **overrides))
 
 
 @contextmanager
