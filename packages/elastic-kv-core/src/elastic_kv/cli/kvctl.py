@@ -1,5 +1,8 @@
 """kvctl: see and steer the elastic-kv pools of this host (``kvctl`` or ``python -m elastic_kv.cli.kvctl``).
 
+One file over 400 lines on purpose: one command, its subcommands and their refusals read in one place
+(their tables are :mod:`.table`, the live view :mod:`.top`, the exporter :mod:`.metrics`).
+
     kvctl list [--json]                 every pool and device budget
     kvctl limit POOL SIZE|PCT|unlimited [--wait SEC] [--force]
                                         a pool's physical limit (PCT of its device's budget, else its size);

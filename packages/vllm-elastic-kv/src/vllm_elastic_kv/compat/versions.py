@@ -1,5 +1,7 @@
 """The vLLM releases the plugin supports and the named vLLM symbols it relies on, by signature.
 
+One file over 400 lines on purpose: one table, every target listed once with the releases that have it.
+
 vLLM has no API for an alternative KV cache, so the plugin depends on named vLLM symbols. Each function,
 method, class or rebound module-level name is a :class:`Target` below, listed once, with the version range
 that has it; ``tests/vllm/test_vllm_compat.py`` checks every target of the installed vLLM by signature and,
