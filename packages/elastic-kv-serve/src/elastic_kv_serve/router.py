@@ -29,7 +29,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -77,6 +77,23 @@ def openai_error(
 # Times a request is sent to its model's engine at most: again only while the engine never answered it and is
 # gone (see _proxy), each time after the model is ready again.
 _SEND_ATTEMPTS = 3
+
+
+class _ClosingStream(StreamingResponse):
+    """A streamed answer whose relay is closed however the response ends. When the client leaves, Starlette
+    cancels the task sending the stream; a relay suspended at its ``yield`` then would hold the upstream
+    request (the engine goes on decoding) and its slot until the garbage collector finalized it."""
+
+    def __init__(self, relay: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
+        super().__init__(relay, **kwargs)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._relay.aclose()
 
 
 class _TooLarge(Exception):
@@ -274,7 +291,7 @@ def create_app(
                 raise
 
         if payload.get("stream") and reply.status_code == 200:
-            return StreamingResponse(
+            return _ClosingStream(
                 _relay(reply, stack, done, sup, rt),
                 status_code=200,
                 media_type=reply.headers.get("content-type", "text/event-stream"),
@@ -322,9 +339,10 @@ async def _read_unless_gone(request: Request, reply: httpx.Response) -> bytes | 
 
 async def _relay(
     reply: httpx.Response, stack: contextlib.AsyncExitStack, done: Any, sup: Supervisor, rt: ModelRuntime
-) -> AsyncIterator[bytes]:
-    """Chunks of the upstream SSE stream as they come; on a client disconnect Starlette cancels this and the
-    upstream response is closed (shielded) so the engine aborts the request."""
+) -> AsyncGenerator[bytes, None]:
+    """Chunks of the upstream SSE stream as they come. On a client disconnect Starlette cancels the sending
+    and :class:`_ClosingStream` closes this relay; the upstream response is closed (shielded) so the engine
+    aborts the request."""
     code = 200
     failed = False
     try:
