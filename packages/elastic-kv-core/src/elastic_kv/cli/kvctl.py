@@ -173,7 +173,9 @@ def _cmd_limit(registry: Registry, args: argparse.Namespace, out: TextIO) -> int
             "the pool holds more than that now: it stops growing, and the engine frees the pages to be "
             "released (vLLM preempts, SGLang retracts the requests holding blocks on them)\n"
         )
-    if args.wait > 0 and over:
+    # The engine may have shrunk between the change and the read-back: --wait reports what it did either way.
+    was_over = nbytes != UNLIMITED and pool.charged_bytes > nbytes
+    if args.wait > 0 and (over or was_over):
         return _wait_under_limit(registry, pool, updated, args.wait, out)
     return 0
 
@@ -207,8 +209,9 @@ def _wait_under_limit(
         now = registry.pool(pool.name)
         fits = now.charged_bytes <= now.limit_bytes or now.limit_bytes == UNLIMITED
         if fits and (now.snapshot is None or now.snapshot.state != "shrinking"):
+            took = time.monotonic() - start
             out.write(
-                f"applied after {time.monotonic() - start:.2f} s: charged {format_bytes(pool.charged_bytes)} "
+                f"applied after {took:.2f} s: charged {format_bytes(before.charged_bytes)} "
                 f"-> {format_bytes(now.charged_bytes)}; {_cost(before, now)}\n"
             )
             return 0
