@@ -50,7 +50,7 @@ def _device_table(devices: list[DeviceInfo]) -> Table:
     table = Table(title="devices", title_justify="left", expand=False)
     columns = ("device", "budget", "charged", "", "size", "pools")
     for column in columns:
-        table.add_column(column, justify="left" if column == "device" else "right")
+        table.add_column(column, justify="left" if column in ("device", "") else "right")
     for d in devices:
         whole = d.budget_bytes if d.budget_bytes != UNLIMITED else d.total_bytes
         cells = device_cells(d)
