@@ -14,7 +14,9 @@
 #   n8     eight 8B models, elastic-kv serve (sleep set-up), 16 bursts x 24 reaching every model, load 4
 #   n8w    the same with kv_share_min_weights = 0.5 (models take turns rather than share slivers of KV)
 #   n12    twelve 8B models, the same at 24 bursts x 16
-#   n3     three 8B models, static then elastic, loads 8 and 16 (where static's attainment falls)
+#   n3     three 8B models, static then elastic, loads 8 and 16
+#   n3b    the same at load 8 with bursts of 256: static's loss follows the burst size against its share, not
+#          the load (at 3 x 128 static attains 69-89 % at every load from 2 to 16)
 # A step that fails is recorded and the next one runs. `poll` packs into $OUT/gpu-bench.tar.gz (one file: a
 # device call brings back at most eight): the driver's log, each step's log tail, the benchmark's
 # results.json, report.md, plots, alone.json, the serve log, the engine log tails, host memory over time and the
@@ -26,7 +28,7 @@ work="${GPU_BENCH_DIR:-/tmp/gpu-bench}"
 dest_dir="${OUT:-$root/build/gpu-bench}"   # a device call brings back at most 8 files: one archive
 out="$work/collected/gpu-bench"
 
-usage() { echo "usage: bash ci/gpu-bench.sh start [tests|gpu:GROUP,...|n8|n8w|n12|n3 ...] | poll [--wait SECONDS]" >&2; exit 2; }
+usage() { echo "usage: bash ci/gpu-bench.sh start [tests|gpu:GROUP,...|n8|n8w|n12|n3|n3b ...] | poll [--wait SECONDS]" >&2; exit 2; }
 
 step_command() {  # step_command STEP -> the step's command line
     local bench="python3 benchmarks/multi_model.py --device cuda --setups sleep --loads 4 --cover"
@@ -39,6 +41,8 @@ step_command() {  # step_command STEP -> the step's command line
         n12) echo "$bench --out $work/n12 --models 12 --bursts 24 --burst-size 16" ;;
         n3) echo "python3 benchmarks/multi_model.py --device cuda --out $work/n3 --models 3 --setups static,elastic \
 --loads 8,16" ;;
+        n3b) echo "python3 benchmarks/multi_model.py --device cuda --out $work/n3b --models 3 --setups static,elastic \
+--loads 8 --bursts 3 --burst-size 256" ;;
         *) return 1 ;;
     esac
 }
