@@ -241,6 +241,21 @@ def test_suspensions_take_the_lowest_priority_then_the_model_awake_longest() -> 
     assert choose_suspensions(models, need_bytes=500 * MiB, **room) is None
 
 
+def test_among_equal_priorities_the_model_with_the_fewest_requests_is_suspended_first() -> None:
+    """A suspension pauses every request of its model: the one serving 2 goes before one serving 41 that
+    has been awake longer; equal counts fall back to the one awake longest."""
+    models = [
+        _serving("busy-old", 0, 1.0, requests=41),
+        _serving("few-new", 0, 6.0, requests=2),
+        _serving("few-old", 0, 3.0, requests=2),
+    ]
+    room = {"used_bytes": 120 * MiB, "budget_bytes": 130 * MiB, "for_priority": 0, "awake_before": 9.0}
+    assert [v.name for v in choose_suspensions(models, need_bytes=80 * MiB, **room) or []] == [
+        "few-old",
+        "few-new",
+    ]
+
+
 def test_only_serving_suspendable_models_awake_long_enough_are_suspended() -> None:
     models = [
         _serving("young", 0, 5.0),  # awake after awake_before

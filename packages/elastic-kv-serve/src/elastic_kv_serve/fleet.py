@@ -121,7 +121,7 @@ class Fleet:
         return [
             policy.Candidate(
                 o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy,
-                o.idle_sleep_s, o.awake_since, suspendable and self._suspendable(o),
+                o.idle_sleep_s, o.awake_since, suspendable and self._suspendable(o), o.in_flight + o.queued,
             )
             for o in self.models.values()
             if o is not exclude and o.state is State.AWAKE

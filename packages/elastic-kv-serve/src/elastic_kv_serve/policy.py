@@ -23,10 +23,12 @@ awake, each with KV for a large batch, rather than many awake with little KV eac
 Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
 its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
 engines, which resume them when they wake. Only a model awake for some time (``awake_before``) is suspended,
-lowest priority first, then the one awake longest, never a pinned one, one of higher priority, or one whose
-engine cannot keep its requests asleep. A suspended model wakes again once room is free, or once it has
-waited long enough to suspend in turn a model that was awake before it was suspended: serving models take
-turns, each awake for at least the minimum, and none waits without end.
+lowest priority first, then the one with the fewest requests (a suspension pauses every request of its
+model: those not started yet lose their time to the first token), then the one awake longest; never a
+pinned one, one of higher priority, or one whose engine cannot keep its requests asleep. A suspended model
+wakes again once room is free, or once it has waited long enough to suspend in turn a model that was awake
+before it was suspended: serving models take turns, each awake for at least the minimum, and none waits
+without end.
 
 Host arena: level-1 copies are kept for the models used most recently. A model going to sleep whose copy
 does not fit in the arena takes the extents of asleep models that come before it in the order *lower
@@ -65,6 +67,7 @@ class Candidate:
     idle_sleep_s: float = 0.0  # 0 = never sleeps when idle
     awake_since: float = 0.0  # monotonic seconds it last became awake
     suspendable: bool = False  # its engine can sleep while serving, keeping its requests
+    requests: int = 0  # requests in flight or queued
 
 
 def fits(need_bytes: int, used_bytes: int, budget_bytes: int | None) -> bool:
@@ -106,7 +109,7 @@ def choose_suspensions(
 
     ``[]`` when it fits already; ``None`` when suspending every eligible model would not make room.
     Eligible: busy, suspendable, not pinned, priority at most ``for_priority``, awake since
-    ``awake_before`` or earlier. Order: lowest priority first, then awake longest."""
+    ``awake_before`` or earlier. Order: lowest priority first, then fewest requests, then awake longest."""
     eligible = sorted(
         (
             c
@@ -114,7 +117,7 @@ def choose_suspensions(
             if c.busy and c.suspendable and not c.pinned and c.priority <= for_priority
             and c.awake_since <= awake_before
         ),
-        key=lambda c: (c.priority, c.awake_since),
+        key=lambda c: (c.priority, c.requests, c.awake_since),
     )  # fmt: skip
     return _until_fits(eligible, need_bytes, used_bytes, budget_bytes)
 
