@@ -12,7 +12,8 @@
 #          sleep-mode backend, a suspension through serve
 #   gpu:GROUP,...  bash ci/gpu.sh --only GROUP,...: other groups of ci/gpu.sh, or fewer
 #   n8     eight 8B models, elastic-kv serve (sleep set-up), 16 bursts x 24 reaching every model, load 4
-#   n8w    the same with kv_share_min_weights = 0.5 (models take turns rather than share slivers of KV)
+#   n8w    the same with kv_share_min_weights = 0.5 (models take turns rather than share slivers of KV),
+#          out in n8w-0.5; n8w-R with R instead of 0.5 (n8w-1 keeps each serving model's KV at least its weights)
 #   n12    twelve 8B models, the same at 24 bursts x 16
 #   n3     three 8B models, static then elastic, loads 8 and 16
 #   n3b    the same at load 8 with bursts of 256: static's loss follows the burst size against its share, not
@@ -28,7 +29,7 @@ work="${GPU_BENCH_DIR:-/tmp/gpu-bench}"
 dest_dir="${OUT:-$root/build/gpu-bench}"   # a device call brings back at most 8 files: one archive
 out="$work/collected/gpu-bench"
 
-usage() { echo "usage: bash ci/gpu-bench.sh start [tests|gpu:GROUP,...|n8|n8w|n12|n3|n3b ...] | poll [--wait SECONDS]" >&2; exit 2; }
+usage() { echo "usage: bash ci/gpu-bench.sh start [tests|gpu:GROUP,...|n8|n8w[-R]|n12|n3|n3b ...] | poll [--wait SECONDS]" >&2; exit 2; }
 
 step_command() {  # step_command STEP -> the step's command line
     local bench="python3 benchmarks/multi_model.py --device cuda --setups sleep --loads 4 --cover"
@@ -36,8 +37,10 @@ step_command() {  # step_command STEP -> the step's command line
         tests) echo "bash ci/gpu.sh --only vllm-limit,vllm-sleep,serve-gpu" ;;
         gpu:*) echo "bash ci/gpu.sh --only ${1#gpu:}" ;;
         n8) echo "$bench --out $work/n8 --models 8 --bursts 16 --burst-size 24" ;;
-        n8w) echo "$bench --out $work/n8w --models 8 --bursts 16 --burst-size 24 \
---serve-option kv_share_min_weights=0.5" ;;
+        n8w) step_command n8w-0.5 ;;
+        n8w-*) [[ "${1#n8w-}" =~ ^[0-9]+(\.[0-9]+)?$ ]] || return 1
+            echo "$bench --out $work/$1 --models 8 --bursts 16 --burst-size 24 \
+--serve-option kv_share_min_weights=${1#n8w-}" ;;
         n12) echo "$bench --out $work/n12 --models 12 --bursts 24 --burst-size 16" ;;
         n3) echo "python3 benchmarks/multi_model.py --device cuda --out $work/n3 --models 3 --setups static,elastic \
 --loads 8,16" ;;
