@@ -460,6 +460,50 @@ def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp
         srv.stop()
 
 
+def test_the_serving_model_with_the_fewest_requests_is_suspended_first(tmp_path: Path) -> None:
+    """The floor set-up above, ``b`` woken by its request after ``a`` (so ``a`` is the model awake longest):
+    ``a`` serves two requests, ``b`` one; ``c``'s request suspends ``b``, whose suspension pauses the fewest
+    requests, and every answer is exact."""
+    (tmp_path / "f").mkdir()
+
+    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
+        model["command"] += ["--token-ms", "500"]
+        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    srv = ServeProcess(
+        tmp_path / "f",
+        {"budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
+         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": 30},
+        [toy("a", 1), toy("b", 2, idle_sleep_s=1), toy("c", 3, idle_sleep_s=1)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "asleep", "c": "asleep"}, timeout_s=60)
+
+        def ask(model: str, prompt: str, kv: int) -> httpx.Response:
+            body = {"model": model, "prompt": prompt, "max_tokens": 40, "kv_bytes": kv}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            long = {p: pool.submit(ask, "a", p, 6 * MiB) for p in ("a1", "a2")}
+            srv.wait_for({"a": "awake"}, timeout_s=30)
+            long["b1"] = pool.submit(ask, "b", "b1", 12 * MiB)
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            time.sleep(1.5)  # b has been awake min_awake_s: both may be suspended
+            reply = pool.submit(ask, "c", "c1", 0).result(timeout=60)
+            assert _text(reply) == _expected(tmp_path, "c", "c1", 40)
+            status = srv.status()
+            assert [m for m in "ab" if _transitions(status, m, "suspend")] == ["b"], status
+            for prompt, future in long.items():
+                assert _text(future.result(timeout=120)) == _expected(tmp_path, prompt[0], prompt, 40)
+    finally:
+        srv.stop()
+
+
 def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
     """Three models of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a token;
     a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All three are
