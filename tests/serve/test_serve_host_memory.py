@@ -417,11 +417,10 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
         srv.stop()
 
 
-def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp_path: Path) -> None:
-    """The set-up above, engines that keep their requests asleep, and ``kv_share_min_weights = 0.5``: a
-    three-way share (1.66 MiB each) is below half a model's 15 MiB of weights, so ``c`` wakes by suspending
-    the serving model awake longest instead of shrinking both; no share falls below the floor, every answer
-    is exact."""
+def _floor_server(tmp_path: Path, *, max_suspend_s: float, b_idle_sleep_s: float) -> ServeProcess:
+    """The KV-share set-up above (a 50 MiB budget, three models of 15 MiB, ``c`` idle-sleeping), engines
+    that keep their requests asleep, ``kv_share_min_weights = 0.5`` (a three-way share is below the floor)
+    and models that may be suspended once awake 1 s; ``b`` idle-sleeps after ``b_idle_sleep_s`` (0: never)."""
     (tmp_path / "s").mkdir()
 
     def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
@@ -430,12 +429,20 @@ def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp
         model["sleep_path"] = "/sleep?level={level}&mode={mode}"
         return model
 
-    srv = ServeProcess(
+    return ServeProcess(
         tmp_path / "s",
         {"budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
-         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": 3},
-        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
+         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": max_suspend_s},
+        [toy("a", 1), toy("b", 2, idle_sleep_s=b_idle_sleep_s), toy("c", 3, idle_sleep_s=1)],
     )  # fmt: skip
+
+
+def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp_path: Path) -> None:
+    """The set-up above, engines that keep their requests asleep, and ``kv_share_min_weights = 0.5``: a
+    three-way share (1.66 MiB each) is below half a model's 15 MiB of weights, so ``c`` wakes by suspending
+    the serving model awake longest instead of shrinking both; no share falls below the floor, every answer
+    is exact."""
+    srv = _floor_server(tmp_path, max_suspend_s=3, b_idle_sleep_s=0)
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
 
@@ -464,20 +471,7 @@ def test_the_serving_model_with_the_fewest_requests_is_suspended_first(tmp_path:
     """The floor set-up above, ``b`` woken by its request after ``a`` (so ``a`` is the model awake longest):
     ``a`` serves two requests, ``b`` one; ``c``'s request suspends ``b``, whose suspension pauses the fewest
     requests, and every answer is exact."""
-    (tmp_path / "f").mkdir()
-
-    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
-        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
-        model["command"] += ["--token-ms", "500"]
-        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
-        return model
-
-    srv = ServeProcess(
-        tmp_path / "f",
-        {"budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
-         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": 30},
-        [toy("a", 1), toy("b", 2, idle_sleep_s=1), toy("c", 3, idle_sleep_s=1)],
-    )  # fmt: skip
+    srv = _floor_server(tmp_path, max_suspend_s=30, b_idle_sleep_s=1)
     try:
         srv.wait_for({"a": "awake", "b": "asleep", "c": "asleep"}, timeout_s=60)
 
