@@ -49,7 +49,7 @@ def test_lowest_priority_then_least_recently_used_goes_first() -> None:
 
 
 def test_pinned_busy_and_higher_priority_models_stay() -> None:
-    models = [_c("pinned", 0, 1, 40, pinned=True), _c("busy", 0, 2, 40, busy=True), _c("vip", 9, 3, 40)]
+    models = [_c("pinned", 0, 1, 40, pinned=True), _c("busy", 0, 2, 40, requests=1), _c("vip", 9, 3, 40)]
     assert choose_victims(models, need_bytes=40 * MiB, used_bytes=120 * MiB, budget_bytes=130 * MiB,
                           for_priority=1) is None  # fmt: skip
     victims = choose_victims(
@@ -71,14 +71,14 @@ def test_idle_models_due_to_sleep() -> None:
         _c("recent", 0, 95.0, 1, idle_sleep_s=10.0),
         _c("never", 0, 0.0, 1, idle_sleep_s=0.0),
         _c("pinned", 0, 0.0, 1, idle_sleep_s=10.0, pinned=True),
-        _c("busy", 0, 0.0, 1, idle_sleep_s=10.0, busy=True),
+        _c("busy", 0, 0.0, 1, idle_sleep_s=10.0, requests=1),
     ]
     assert [c.name for c in due_to_sleep(models, now=100.0)] == ["idle"]
 
 
 def test_kv_pressure_sleeps_the_first_idle_model_once_it_has_idled_long_enough() -> None:
     models = [
-        _c("serving", 0, 99.0, 60, busy=True),
+        _c("serving", 0, 99.0, 60, requests=1),
         _c("idle-old", 0, 90.0, 20),
         _c("idle-new", 0, 99.5, 20),
         _c("pinned", 0, 10.0, 10, pinned=True),
@@ -165,7 +165,7 @@ def test_a_vllm_model_with_random_weights_never_sleeps_at_level_2(tmp_path: Path
 def test_arena_copies_go_to_models_used_more_recently_or_of_higher_priority() -> None:
     asleep = [_c("lo-new", 0, 9.0, 10), _c("mid-old", 1, 1.0, 10), _c("mid-older", 1, 0.5, 10),
               _c("mid-new", 1, 8.0, 10), _c("hi-old", 2, 0.1, 10),
-              _c("mid-kept", 1, 0.2, 10, busy=True)]  # fmt: skip
+              _c("mid-kept", 1, 0.2, 10, requests=1)]  # fmt: skip
     order = demotion_order(asleep, priority=1, last_used=5.0)
     # lower priority first whatever its use, then the same priority least recently used first; never a
     # model of higher priority, one used after the sleeper, or one that keeps requests (suspended)
@@ -225,8 +225,8 @@ def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
         kv_share(MiB, 0)
 
 
-def _serving(name: str, prio: int, awake_since: float, **kw: object) -> Candidate:
-    return _c(name, prio, 0.0, 40, busy=True, suspendable=True, awake_since=awake_since, **kw)
+def _serving(name: str, prio: int, awake_since: float, requests: int = 1, **kw: object) -> Candidate:
+    return _c(name, prio, 0.0, 40, requests=requests, suspendable=True, awake_since=awake_since, **kw)
 
 
 def test_suspensions_take_the_lowest_priority_then_the_model_awake_longest() -> None:
@@ -262,7 +262,7 @@ def test_only_serving_suspendable_models_awake_long_enough_are_suspended() -> No
         _serving("pinned", 0, 1.0, pinned=True),
         _serving("vip", 9, 1.0),  # a higher priority than the model waiting
         _c("idle", 0, 0.0, 40, suspendable=True, awake_since=1.0),  # idle: it sleeps, not suspends
-        _c("cannot", 0, 0.0, 40, busy=True, awake_since=1.0),  # its engine cannot keep requests
+        _c("cannot", 0, 0.0, 40, requests=1, awake_since=1.0),  # its engine cannot keep requests
         _serving("eligible", 0, 4.0),
     ]
     room = {"used_bytes": 240 * MiB, "budget_bytes": 250 * MiB, "for_priority": 0}

@@ -120,8 +120,8 @@ class Fleet:
         """The awake models as the policy sees them; ``suspendable``: also whether each can be suspended."""
         return [
             policy.Candidate(
-                o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.busy,
-                o.idle_sleep_s, o.awake_since, suspendable and self._suspendable(o), o.in_flight + o.queued,
+                o.name, o.config.priority, o.last_used, o.footprint_bytes, o.config.pinned, o.requests,
+                o.idle_sleep_s, o.awake_since, suspendable and self._suspendable(o),
             )
             for o in self.models.values()
             if o is not exclude and o.state is State.AWAKE

@@ -63,11 +63,15 @@ class Candidate:
     last_used: float  # monotonic seconds of its last request's end (or of waking)
     footprint_bytes: int  # weights + KV it holds now
     pinned: bool = False
-    busy: bool = False  # requests in flight or queued
+    requests: int = 0  # requests in flight or queued
     idle_sleep_s: float = 0.0  # 0 = never sleeps when idle
     awake_since: float = 0.0  # monotonic seconds it last became awake
     suspendable: bool = False  # its engine can sleep while serving, keeping its requests
-    requests: int = 0  # requests in flight or queued
+
+    @property
+    def busy(self) -> bool:
+        """It serves: requests in flight or queued."""
+        return self.requests > 0
 
 
 def fits(need_bytes: int, used_bytes: int, budget_bytes: int | None) -> bool:

@@ -142,8 +142,13 @@ class ModelRuntime:
         return self.config.name
 
     @property
+    def requests(self) -> int:
+        """Its requests in flight or queued."""
+        return self.in_flight + self.queued
+
+    @property
     def busy(self) -> bool:
-        return self.in_flight > 0 or self.queued > 0
+        return self.requests > 0
 
     @property
     def level_one_bytes(self) -> int:

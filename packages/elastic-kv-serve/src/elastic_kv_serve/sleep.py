@@ -158,7 +158,7 @@ class SleepMoves:
             and kind_of(o.config).can_demote(o.config)
         }  # fmt: skip
         candidates = [
-            policy.Candidate(o.name, o.config.priority, o.last_used, o.host_bytes, busy=o.busy)
+            policy.Candidate(o.name, o.config.priority, o.last_used, o.host_bytes, requests=o.requests)
             for o in asleep.values()
         ]
         for chosen in policy.demotion_order(candidates, priority=rt.config.priority, last_used=rt.last_used):
