@@ -417,6 +417,48 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
         srv.stop()
 
 
+def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) -> None:
+    """The set-up above, but ``a`` serves three requests (4 MiB of KV each) and ``b`` one (8 MiB): when a
+    request to ``c`` makes the three share the 5 MiB of room, ``a`` gets three parts of five and ``b`` and
+    ``c`` one each, not a third each; every answer is exact."""
+    (tmp_path / "s").mkdir()
+
+    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
+        model["command"] += ["--token-ms", "500"]
+        return model
+
+    srv = ServeProcess(
+        tmp_path / "s",
+        {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "kv_share_min": "512K",
+         "pressure_idle_s": 30},
+        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
+
+        def ask(model: str, prompt: str, kv: int, n: int = 40) -> httpx.Response:
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "kv_bytes": kv}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(5) as pool:
+            long = {p: pool.submit(ask, "a", p, 4 * MiB) for p in ("a1", "a2", "a3")}
+            long["b1"] = pool.submit(ask, "b", "b1", 8 * MiB)
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            reply = pool.submit(ask, "c", "c1", 0, 2).result(timeout=60)
+            assert _text(reply) == _expected(tmp_path, "c", "c1", 2)
+            status = srv.status()
+            assert not any(long[p].done() for p in ("a1", "b1")), status
+            assert status["a"]["kv_limit_bytes"] == 3 * MiB and status["b"]["kv_limit_bytes"] == MiB, status
+            for prompt, future in long.items():
+                assert _text(future.result(timeout=120)) == _expected(tmp_path, prompt[0], prompt, 40)
+    finally:
+        srv.stop()
+
+
 def _floor_server(tmp_path: Path, *, max_suspend_s: float, b_idle_sleep_s: float) -> ServeProcess:
     """The KV-share set-up above (a 50 MiB budget, three models of 15 MiB, ``c`` idle-sleeping), engines
     that keep their requests asleep, ``kv_share_min_weights = 0.5`` (a three-way share is below the floor)

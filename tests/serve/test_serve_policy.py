@@ -14,7 +14,7 @@ from elastic_kv_serve.policy import (
     demotion_order,
     due_to_sleep,
     fits,
-    kv_share,
+    kv_shares,
     pressure_victim,
 )
 
@@ -217,12 +217,32 @@ def test_a_share_floor_follows_the_largest_weights_where_asked() -> None:
     assert share_floor(0, 0.5, [], []) == 0
 
 
-def test_kv_shares_split_the_room_equally_and_never_reach_zero() -> None:
-    assert kv_share(30 * MiB, 3) == 10 * MiB
-    assert kv_share(10, 3) == 3  # whole bytes, rounded down
-    assert kv_share(-5 * MiB, 2) == 1  # no room at all: the least limit a pool can have (0 is none)
+def test_kv_shares_split_the_room_in_proportion_to_requests_and_never_reach_zero() -> None:
+    assert kv_shares(30 * MiB, [1, 1, 1]) == [10 * MiB] * 3  # equal requests, equal shares
+    assert kv_shares(40 * MiB, [1, 3]) == [10 * MiB, 30 * MiB]
+    assert kv_shares(30 * MiB, [0, 2]) == [10 * MiB, 20 * MiB]  # a claimant with no request yet counts once
+    assert kv_shares(10, [1, 1, 1]) == [3, 3, 3]  # whole bytes, rounded down
+    assert kv_shares(-5 * MiB, [1, 4]) == [
+        1,
+        1,
+    ]  # no room at all: the least limit a pool can have (0 is none)
     with pytest.raises(ValueError, match="at least one claimant"):
-        kv_share(MiB, 0)
+        kv_shares(MiB, [])
+    with pytest.raises(ValueError, match="count of requests"):
+        kv_shares(MiB, [1, -1])
+
+
+def test_kv_shares_lift_the_few_to_the_floor_and_the_rest_split_what_is_left() -> None:
+    # 93 requests beside 2 and 1: the two small ones would get 2 MiB and 1 MiB, under the 8 MiB floor
+    assert kv_shares(96 * MiB, [93, 2, 1], 8 * MiB) == [80 * MiB, 8 * MiB, 8 * MiB]
+    # lifting one to the floor can push another under it: the floor holds for both
+    assert kv_shares(100 * MiB, [70, 22, 8], 20 * MiB) == [60 * MiB, 20 * MiB, 20 * MiB]
+    shares = kv_shares(100 * MiB, [5, 7, 11], 10 * MiB)
+    assert shares is not None and min(shares) >= 10 * MiB and sum(shares) <= 100 * MiB
+    assert shares == sorted(shares)  # more requests, never a smaller share
+    # the floor for everyone does not fit: the models take turns instead
+    assert kv_shares(29 * MiB, [1, 1, 1], 10 * MiB) is None
+    assert kv_shares(30 * MiB, [1, 1, 1], 10 * MiB) == [10 * MiB] * 3
 
 
 def _serving(name: str, prio: int, awake_since: float, requests: int = 1, **kw: object) -> Candidate:

@@ -11,11 +11,15 @@ it has been idle ``pressure_idle_s`` -- busy models get its memory without waiti
 
 KV shares: when a model must wake and no idle model can make room (every awake model serves), or two or
 more models serve and the budget is nearly full, the serving models' KV is shared: each of them, and each
-model waiting for room, gets an equal share of the KV room the budget leaves beside the weights and the KV
-of the models that are not shared (idle, pinned), enforced as a pool limit. A model above its share drains
+model waiting for room, gets a share of the KV room the budget leaves beside the weights and the KV of the
+models that are not shared (idle, pinned), in proportion to its requests (in flight and queued), enforced as
+a pool limit: a model with most of the requests gets most of the KV, not a slice equal to that of a
+neighbour with two. A model above its share drains
 to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
 waiting for room thus wakes in about the time its neighbours take to drain, not when one of them goes idle.
-A share has a floor (:func:`share_floor`): below it the models would rather take turns (suspension). The
+A share has a floor (:func:`share_floor`): no claimant gets less (those whose part of the room would
+be less get the floor, the others split the rest in proportion), and when the floor for every claimant
+does not fit in the room the models would rather take turns (suspension). The
 floor can follow the models' weights: each decode step of a model reads all of its weights whatever its
 batch, so models that share the device's memory bandwidth serve the most tokens with the fewest of them
 awake, each with KV for a large batch, rather than many awake with little KV each.
@@ -48,7 +52,7 @@ __all__ = [
     "demotion_order",
     "due_to_sleep",
     "fits",
-    "kv_share",
+    "kv_shares",
     "pressure_victim",
     "share_floor",
 ]
@@ -185,9 +189,29 @@ def share_floor(min_bytes: int, weights_ratio: float, weights: Iterable[int], id
     return max(min_bytes, int(weights_ratio * max(weights, default=0)), *idle)
 
 
-def kv_share(room_bytes: int, claimants: int) -> int:
-    """Each claimant's equal share of ``room_bytes`` of KV (see the module docstring), at least 1 byte (a
-    pool limit of 0 would mean none)."""
-    if claimants <= 0:
-        raise ValueError(f"a share needs at least one claimant, got {claimants}")
-    return max(room_bytes // claimants, 1)
+def kv_shares(room_bytes: int, demands: Sequence[int], floor_bytes: int = 0) -> list[int] | None:
+    """Each claimant's share of ``room_bytes`` of KV, in proportion to its ``demands`` (its requests; see the
+    module docstring): none below ``floor_bytes`` -- a claimant whose part would be less gets the floor and
+    the others split what is left in proportion -- and none below 1 byte (a pool limit of 0 would mean none).
+    ``None`` when the floor for every claimant does not fit in the room."""
+    if not demands:
+        raise ValueError("a share needs at least one claimant")
+    if any(d < 0 for d in demands):
+        raise ValueError(f"a demand is a count of requests, got {list(demands)}")
+    floor = max(floor_bytes, 1)
+    if floor_bytes > 0 and len(demands) * floor_bytes > room_bytes:
+        return None
+    if room_bytes < len(demands):  # no room at all: the least limit a pool can have, each
+        return [1] * len(demands)
+    weights = [max(d, 1) for d in demands]  # a claimant counts once even with no request yet
+    at_floor: set[int] = set()
+    while True:  # those under the floor take it; the rest share what is left (each pass fixes at least one)
+        rest = [i for i in range(len(weights)) if i not in at_floor]
+        left = room_bytes - floor * len(at_floor)
+        total = sum(weights[i] for i in rest)
+        parts = {i: left * weights[i] // total for i in rest}
+        under = {i for i, part in parts.items() if part < floor}
+        if not under or len(under) == len(rest):
+            break
+        at_floor |= under
+    return [floor if i in at_floor else max(parts[i], floor) for i in range(len(weights))]

@@ -1,8 +1,8 @@
 """KV shares (:mod:`elastic_kv_serve.policy`, "KV shares"): while models wait for room, or two or more serve
-with less than ``kv_headroom`` of the budget left, each serving model's pool takes an equal share of the KV
-room as its limit, and so does each waiting model's claim; sharing ends when no model waits and at most one
-serves. A pool that takes no limit (SGLang's named parts, or an engine that refuses it) is left out until
-its engine starts again."""
+with less than ``kv_headroom`` of the budget left, each serving model's pool takes a share of the KV room
+in proportion to its requests as its limit, and so does each waiting model's claim; sharing ends when no
+model waits and at most one serves. A pool that takes no limit (SGLang's named parts, or an engine that
+refuses it) is left out until its engine starts again."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ class KvShares:
         async with self._lock:
             await self._share_kv_locked()
 
-    def _share_plan(self, waiting: list[ModelRuntime]) -> tuple[list[ModelRuntime], int | None]:
-        """The serving models whose KV would be shared with ``waiting``, and each one's share (``None``: no
-        budget, or the share falls below its floor)."""
+    def _share_plan(self, waiting: list[ModelRuntime]) -> tuple[list[ModelRuntime], dict[str, int] | None]:
+        """The serving models whose KV would be shared with ``waiting``, and each claimant's share by name
+        (``None``: no budget, or the floor for every claimant does not fit)."""
         fleet = self.fleet
         budget = fleet.budget_bytes
         top = max((w.config.priority for w in waiting), default=None)
@@ -50,7 +50,6 @@ class KvShares:
         weights = sum(r.weights_bytes for r in fleet.models.values() if r.has_room)
         fixed = sum(r.kv_bytes for r in fleet.models.values() if r not in shared)
         room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
-        share = policy.kv_share(room, len(shared) + len(waiting))
         # Below kv_share_min a model's own requests may not fit its share (two such models would wait for
         # each other), below what a model holds idle it makes no room: wait for an idle neighbour, or take
         # turns (suspension).
@@ -59,24 +58,25 @@ class KvShares:
             fleet.kv_share_min_bytes, fleet.config.server.kv_share_min_weights,
             (r.weights_bytes for r in claimants), (r.idle_kv_bytes for r in claimants),
         )  # fmt: skip
-        return shared, share if share >= floor else None
+        shares = policy.kv_shares(room, [r.requests for r in claimants], floor)
+        return shared, None if shares is None else {r.name: s for r, s in zip(claimants, shares, strict=True)}
 
     def would_make_room(self, rt: ModelRuntime) -> bool:
         """Whether sharing the serving models' KV with ``rt`` (waiting) would make room for it."""
         waiting = list(self.waiting.values())
-        _, share = self._share_plan(waiting if rt in waiting else [*waiting, rt])
-        return share is not None
+        _, shares = self._share_plan(waiting if rt in waiting else [*waiting, rt])
+        return shares is not None
 
     async def _share_kv_locked(self) -> None:
         fleet = self.fleet
         budget = fleet.budget_bytes
         waiting = list(self.waiting.values())
-        shared, share = self._share_plan(waiting)
+        shared, shares = self._share_plan(waiting)
         if budget is None or (not waiting and len(shared) < 2):
             self._sharing = False
         elif waiting or budget - fleet.used_bytes() < fleet.kv_headroom_bytes:
             self._sharing = True
-        limits = {r.name: share for r in shared} if self._sharing and share is not None else {}
+        limits = {r.name: shares[r.name] for r in shared} if self._sharing and shares is not None else {}
         for rt in fleet.models.values():
             want = limits.get(rt.name)
             have = rt.kv_limit_bytes
