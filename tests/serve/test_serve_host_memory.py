@@ -418,8 +418,8 @@ def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tm
 
 
 def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) -> None:
-    """The set-up above, but ``a`` serves three requests (4 MiB of KV each) and ``b`` one (8 MiB): when a
-    request to ``c`` makes the three share the 5 MiB of room, ``a`` gets three parts of five and ``b`` and
+    """The set-up above, but ``a`` serves four requests (3 MiB of KV each) and ``b`` one (8 MiB): when a
+    request to ``c`` makes the three share the 5 MiB of room, ``a`` gets four parts of six and ``b`` and
     ``c`` one each, not a third each; every answer is exact."""
     (tmp_path / "s").mkdir()
 
@@ -441,8 +441,8 @@ def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) ->
             body = {"model": model, "prompt": prompt, "max_tokens": n, "kv_bytes": kv}
             return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
 
-        with ThreadPoolExecutor(5) as pool:
-            long = {p: pool.submit(ask, "a", p, 4 * MiB) for p in ("a1", "a2", "a3")}
+        with ThreadPoolExecutor(6) as pool:
+            long = {p: pool.submit(ask, "a", p, 3 * MiB) for p in ("a1", "a2", "a3", "a4")}
             long["b1"] = pool.submit(ask, "b", "b1", 8 * MiB)
             deadline = time.monotonic() + 30
             while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
@@ -452,7 +452,8 @@ def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) ->
             assert _text(reply) == _expected(tmp_path, "c", "c1", 2)
             status = srv.status()
             assert not any(long[p].done() for p in ("a1", "b1")), status
-            assert status["a"]["kv_limit_bytes"] == 3 * MiB and status["b"]["kv_limit_bytes"] == MiB, status
+            limits = [status[m]["kv_limit_bytes"] for m in "ab"]
+            assert limits == [5 * MiB * 4 // 6, 5 * MiB // 6], status
             for prompt, future in long.items():
                 assert _text(future.result(timeout=120)) == _expected(tmp_path, prompt[0], prompt, 40)
     finally:

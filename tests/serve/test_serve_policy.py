@@ -219,7 +219,9 @@ def test_a_share_floor_follows_the_largest_weights_where_asked() -> None:
 
 def test_kv_shares_split_the_room_in_proportion_to_requests_and_never_reach_zero() -> None:
     assert kv_shares(30 * MiB, [1, 1, 1]) == [10 * MiB] * 3  # equal requests, equal shares
-    assert kv_shares(40 * MiB, [1, 3]) == [10 * MiB, 30 * MiB]
+    assert kv_shares(40 * MiB, [1, 3]) == [MiB * 40 // 3, MiB * 80 // 3]  # 3 counts as 2: a power of two
+    assert kv_shares(50 * MiB, [1, 4]) == [10 * MiB, 40 * MiB]
+    assert kv_shares(50 * MiB, [2, 15]) == kv_shares(50 * MiB, [3, 8])  # shares move at 2, 4, 8, 16, ...
     assert kv_shares(30 * MiB, [0, 2]) == [10 * MiB, 20 * MiB]  # a claimant with no request yet counts once
     assert kv_shares(10, [1, 1, 1]) == [3, 3, 3]  # whole bytes, rounded down
     assert kv_shares(-5 * MiB, [1, 4]) == [
@@ -233,10 +235,10 @@ def test_kv_shares_split_the_room_in_proportion_to_requests_and_never_reach_zero
 
 
 def test_kv_shares_lift_the_few_to_the_floor_and_the_rest_split_what_is_left() -> None:
-    # 93 requests beside 2 and 1: the two small ones would get 2 MiB and 1 MiB, under the 8 MiB floor
-    assert kv_shares(96 * MiB, [93, 2, 1], 8 * MiB) == [80 * MiB, 8 * MiB, 8 * MiB]
+    # 64 requests beside 2 and 1: the two small ones would get 3 MiB and 1.5 MiB, under the 8 MiB floor
+    assert kv_shares(100 * MiB, [64, 2, 1], 8 * MiB) == [84 * MiB, 8 * MiB, 8 * MiB]
     # lifting one to the floor can push another under it: the floor holds for both
-    assert kv_shares(100 * MiB, [70, 22, 8], 20 * MiB) == [60 * MiB, 20 * MiB, 20 * MiB]
+    assert kv_shares(100 * MiB, [64, 16, 8], 20 * MiB) == [60 * MiB, 20 * MiB, 20 * MiB]
     shares = kv_shares(100 * MiB, [5, 7, 11], 10 * MiB)
     assert shares is not None and min(shares) >= 10 * MiB and sum(shares) <= 100 * MiB
     assert shares == sorted(shares)  # more requests, never a smaller share

@@ -12,7 +12,8 @@ it has been idle ``pressure_idle_s`` -- busy models get its memory without waiti
 KV shares: when a model must wake and no idle model can make room (every awake model serves), or two or
 more models serve and the budget is nearly full, the serving models' KV is shared: each of them, and each
 model waiting for room, gets a share of the KV room the budget leaves beside the weights and the KV of the
-models that are not shared (idle, pinned), in proportion to its requests (in flight and queued), enforced as
+models that are not shared (idle, pinned), in proportion to its requests (in flight and queued; rounded down
+to a power of two, so that the shares move a few times in a burst rather than with each request), enforced as
 a pool limit: a model with most of the requests gets most of the KV, not a slice equal to that of a
 neighbour with two. A model above its share drains
 to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
@@ -190,10 +191,10 @@ def share_floor(min_bytes: int, weights_ratio: float, weights: Iterable[int], id
 
 
 def kv_shares(room_bytes: int, demands: Sequence[int], floor_bytes: int = 0) -> list[int] | None:
-    """Each claimant's share of ``room_bytes`` of KV, in proportion to its ``demands`` (its requests; see the
-    module docstring): none below ``floor_bytes`` -- a claimant whose part would be less gets the floor and
-    the others split what is left in proportion -- and none below 1 byte (a pool limit of 0 would mean none).
-    ``None`` when the floor for every claimant does not fit in the room."""
+    """Each claimant's share of ``room_bytes`` of KV, in proportion to its ``demands`` (its requests, rounded
+    down to a power of two; see the module docstring): none below ``floor_bytes`` -- a claimant whose part
+    would be less gets the floor and the others split what is left in proportion -- and none below 1 byte
+    (a pool limit of 0 would mean none). ``None`` when the floor for every claimant does not fit."""
     if not demands:
         raise ValueError("a share needs at least one claimant")
     if any(d < 0 for d in demands):
@@ -203,7 +204,9 @@ def kv_shares(room_bytes: int, demands: Sequence[int], floor_bytes: int = 0) -> 
         return None
     if room_bytes < len(demands):  # no room at all: the least limit a pool can have, each
         return [1] * len(demands)
-    weights = [max(d, 1) for d in demands]  # a claimant counts once even with no request yet
+    # A claimant counts once even with no request yet; counts are rounded down to a power of two, so that
+    # shares move a few times in a burst, not with each request (a share cut below a model's use preempts).
+    weights = [1 << (max(d, 1).bit_length() - 1) for d in demands]
     at_floor: set[int] = set()
     while True:  # those under the floor take it; the rest share what is left (each pass fixes at least one)
         rest = [i for i in range(len(weights)) if i not in at_floor]
