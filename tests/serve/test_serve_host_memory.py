@@ -362,24 +362,34 @@ def _fill_the_budget(
     return long
 
 
+def _share_server(
+    tmp_path: Path, *, keep_requests: bool = False, b_idle_sleep_s: float = 0, **server: Any
+) -> ServeProcess:
+    """A 50 MiB budget, three models of 15 MiB (declared) decoding 500 ms a token, ``c`` idle-sleeping after
+    1 s and ``b`` after ``b_idle_sleep_s`` (0: never); engines that keep their requests asleep where
+    ``keep_requests``; ``server``: settings on top of the budget's."""
+    (tmp_path / "s").mkdir()
+
+    def toy(name: str, seed: int, idle_sleep_s: float) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", idle_sleep_s=idle_sleep_s)
+        model["command"] += ["--token-ms", "500"]
+        if keep_requests:
+            model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    settings = {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "pressure_idle_s": 30, **server}
+    return ServeProcess(
+        tmp_path / "s", settings, [toy("a", 1, 0), toy("b", 2, b_idle_sleep_s), toy("c", 3, 1)]
+    )
+
+
 def test_a_model_waking_while_every_neighbour_serves_gets_a_share_of_their_kv(tmp_path: Path) -> None:
     """A 50 MiB budget, three models of 15 MiB (declared), ``c`` idle-sleeping: ``a`` and ``b`` serve 20 s
     requests that want 12 MiB of KV each and fill the 20 MiB left. A request to ``c`` finds no idle model to
     put to sleep; instead of waiting for ``a`` or ``b`` to finish, their KV is shared three ways (5 MiB of
     room, 1.66 MiB each), their engines give KV back down to the share, ``c`` wakes and answers while they
     still run; theirs complete too, and the shares are lifted once at most one model serves."""
-    (tmp_path / "s").mkdir()
-
-    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
-        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
-        model["command"] += ["--token-ms", "500"]
-        return model
-
-    srv = ServeProcess(
-        tmp_path / "s",
-        {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "pressure_idle_s": 30},
-        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
-    )  # fmt: skip
+    srv = _share_server(tmp_path)
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
         done: dict[str, float] = {}
@@ -421,19 +431,7 @@ def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) ->
     """The set-up above, but ``a`` serves four requests (3 MiB of KV each) and ``b`` one (8 MiB): when a
     request to ``c`` makes the three share the 5 MiB of room, ``a`` gets four parts of six and ``b`` and
     ``c`` one each, not a third each; every answer is exact."""
-    (tmp_path / "s").mkdir()
-
-    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
-        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
-        model["command"] += ["--token-ms", "500"]
-        return model
-
-    srv = ServeProcess(
-        tmp_path / "s",
-        {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "kv_share_min": "512K",
-         "pressure_idle_s": 30},
-        [toy("a", 1), toy("b", 2), toy("c", 3, idle_sleep_s=1)],
-    )  # fmt: skip
+    srv = _share_server(tmp_path, kv_share_min="512K")
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
 
@@ -461,22 +459,12 @@ def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) ->
 
 
 def _floor_server(tmp_path: Path, *, max_suspend_s: float, b_idle_sleep_s: float) -> ServeProcess:
-    """The KV-share set-up above (a 50 MiB budget, three models of 15 MiB, ``c`` idle-sleeping), engines
-    that keep their requests asleep, ``kv_share_min_weights = 0.5`` (a three-way share is below the floor)
-    and models that may be suspended once awake 1 s; ``b`` idle-sleeps after ``b_idle_sleep_s`` (0: never)."""
-    (tmp_path / "s").mkdir()
-
-    def toy(name: str, seed: int, **extra: Any) -> dict[str, Any]:
-        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", **extra)
-        model["command"] += ["--token-ms", "500"]
-        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
-        return model
-
-    return ServeProcess(
-        tmp_path / "s",
-        {"budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
-         "kv_share_min_weights": 0.5, "min_awake_s": 1, "max_suspend_s": max_suspend_s},
-        [toy("a", 1), toy("b", 2, idle_sleep_s=b_idle_sleep_s), toy("c", 3, idle_sleep_s=1)],
+    """The KV-share set-up above, engines that keep their requests asleep, ``kv_share_min_weights = 0.5`` (a
+    three-way share is below the floor) and models that may be suspended once awake 1 s; ``b`` idle-sleeps
+    after ``b_idle_sleep_s`` (0: never)."""
+    return _share_server(
+        tmp_path, keep_requests=True, b_idle_sleep_s=b_idle_sleep_s, host_budget="40M",
+        kv_share_min_weights=0.5, min_awake_s=1, max_suspend_s=max_suspend_s,
     )  # fmt: skip
 
 
