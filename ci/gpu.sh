@@ -49,7 +49,7 @@ groups=(
     # vllm-engine: tiny, gptoss, mla, gdn, ngram (2-4 minutes each; gptoss, mla and gdn need vLLM's MoE
     # kernels: with ci/gpu-bundle/, carry its MoE part too)
     "vllm-engine|5|cuda,vllm|1800|tests/vllm/test_vllm_gpu.py"
-    "vllm-sleep|4|cuda,vllm|600|tests/vllm/test_vllm_sleep_gpu.py"   # sleep mode into the host arena
+    "vllm-sleep|5|cuda,vllm|600|tests/vllm/test_vllm_sleep_gpu.py"   # sleep mode into the host arena
     "vllm-limit|1|cuda,vllm|600|tests/vllm/test_vllm_limit_gpu.py"   # a limit's drain, async scheduling
     "serve-gpu|1|cuda,vllm|600|tests/serve/test_serve_vllm_gpu.py"   # elastic-kv serve suspends a vLLM engine
     "ranks|4|cuda,gpus2|600|tests/ranks/test_ranks_gpu.py"
