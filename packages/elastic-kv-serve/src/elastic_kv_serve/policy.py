@@ -9,21 +9,20 @@ KV pressure: awake models that serve grow their KV into the budget; when what is
 server's ``kv_headroom`` while some model serves, the idle model that would go first (same order) sleeps, once
 it has been idle ``pressure_idle_s`` -- busy models get its memory without waiting for its ``idle_sleep_s``.
 
-KV shares: when a model must wake and no idle model can make room (every awake model serves), or two or
-more models serve and the budget is nearly full, the serving models' KV is shared: each of them, and each
-model waiting for room, gets a share of the KV room the budget leaves beside the weights and the KV of the
-models that are not shared (idle, pinned), in proportion to its requests (in flight and queued; rounded down
-to a power of two, so that the shares move a few times in a burst rather than with each request), enforced as
-a pool limit: a model with most of the requests gets most of the KV, not a slice equal to that of a
-neighbour with two. A model above its share drains
-to it (its engine preempts requests, which resume when memory frees); one below may grow to it. A model
-waiting for room thus wakes in about the time its neighbours take to drain, not when one of them goes idle.
-A share has a floor (:func:`share_floor`): no claimant gets less (those whose part of the room would
-be less get the floor, the others split the rest in proportion), and when the floor for every claimant
-does not fit in the room the models would rather take turns (suspension). The
-floor can follow the models' weights: each decode step of a model reads all of its weights whatever its
-batch, so models that share the device's memory bandwidth serve the most tokens with the fewest of them
-awake, each with KV for a large batch, rather than many awake with little KV each.
+KV shares: when a model must wake and no idle model can make room (every awake model serves), or two or more
+models serve and the budget is nearly full, the serving models' KV is shared: each of them, and each model
+waiting for room, gets a share of the KV room the budget leaves beside the weights and the KV of the models
+that are not shared (idle, pinned), in proportion to its requests (in flight and queued; rounded down to a
+power of two, so that the shares move a few times in a burst rather than with each request), enforced as a
+pool limit: a model with most of the requests gets most of the KV, not a slice equal to that of a neighbour
+with two. A model above its share drains to it (its engine preempts requests, which resume when memory frees);
+one below may grow to it. A model waiting for room thus wakes in about the time its neighbours take to drain,
+not when one of them goes idle. A share has a floor (:func:`share_floor`): no claimant gets less (those whose
+part of the room would be less get the floor, the others split the rest in proportion), and when the floor for
+every claimant does not fit in the room the models would rather take turns (suspension). The floor can follow
+the models' weights: each decode step of a model reads all of its weights whatever its batch, so models that
+share the device's memory bandwidth serve the most tokens with the fewest of them awake, each with KV for a
+large batch, rather than many awake with little KV each.
 
 Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
 its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
