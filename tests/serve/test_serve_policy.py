@@ -224,10 +224,8 @@ def test_kv_shares_split_the_room_in_proportion_to_requests_and_never_reach_zero
     assert kv_shares(50 * MiB, [2, 15]) == kv_shares(50 * MiB, [3, 8])  # shares move at 2, 4, 8, 16, ...
     assert kv_shares(30 * MiB, [0, 2]) == [10 * MiB, 20 * MiB]  # a claimant with no request yet counts once
     assert kv_shares(10, [1, 1, 1]) == [3, 3, 3]  # whole bytes, rounded down
-    assert kv_shares(-5 * MiB, [1, 4]) == [
-        1,
-        1,
-    ]  # no room at all: the least limit a pool can have (0 is none)
+    # no room at all: the least limit a pool can have (0 is none)
+    assert kv_shares(-5 * MiB, [1, 4]) == [1, 1]
     with pytest.raises(ValueError, match="at least one claimant"):
         kv_shares(MiB, [])
     with pytest.raises(ValueError, match="count of requests"):
