@@ -34,11 +34,12 @@ STATUS/SYNC is answered INCONSISTENT, so the coordinator stops the whole pool in
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -148,6 +149,16 @@ class _PoolRank:
             self.broken = why
             logger.error("rank pool marked inconsistent: %s", why)
         return _Failed(Code.INCONSISTENT, why)
+
+    @contextlib.contextmanager
+    def break_on_failure(self, what: str) -> Iterator[None]:
+        """Run a data-plane step that the coordinator's decision already counts on (a commit, an abort, a
+        rollback's undo): if it raises, this layer no longer knows which pages are mapped, so the pool
+        breaks and the step's request is answered INCONSISTENT."""
+        try:
+            yield
+        except Exception as exc:
+            raise self.break_(f"{what} failed: {exc!r}") from None
 
     # --- history -----------------------------------------------------------------------------
     def remember(self, tx: int, record: _Tx) -> None:
@@ -398,12 +409,10 @@ class Rank:
             raise _Failed(
                 Code.REFUSED, f"ROLLBACK of tx {req.tx} refused: it is an unmap ({record.state.value})"
             )
-        try:
+        with pool.break_on_failure(f"rollback of map tx {req.tx}"):
             # The map's own tx id names the undo, so the data plane's history records it too.
             pool.target.prepare(req.tx, record.pages)
             pool.target.commit(req.tx)
-        except Exception as exc:
-            raise pool.break_(f"rollback of map tx {req.tx} failed: {exc!r}") from None
         record.state = _TxState.ROLLED_BACK
         return Status.OK
 
@@ -458,10 +467,8 @@ class Rank:
             return Status.QUEUED
         if record.state is not _TxState.PREPARED:
             raise _Failed(Code.REFUSED, f"COMMIT of tx {req.tx} refused: the tx is {record.state.value}")
-        try:
+        with pool.break_on_failure(f"commit of tx {req.tx}"):
             pool.target.commit(req.tx)
-        except Exception as exc:
-            raise pool.break_(f"commit of tx {req.tx} failed: {exc!r}") from None
         record.state = _TxState.COMMITTED
         return Status.OK
 
@@ -480,9 +487,7 @@ class Rank:
             for page in record.pages:
                 pool.retiring.pop(page, None)
         elif state is _TxState.PREPARED:
-            try:
+            with pool.break_on_failure(f"abort of tx {req.tx}"):
                 pool.target.abort(req.tx)
-            except Exception as exc:
-                raise pool.break_(f"abort of tx {req.tx} failed: {exc!r}") from None
         record.state = _TxState.ABORTED
         return Status.OK
