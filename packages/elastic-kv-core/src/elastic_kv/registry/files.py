@@ -63,24 +63,26 @@ _DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _TEMPORARY_GRACE_S = 10.0
 
 
+def _check_name(value: str, kind: str, pattern: re.Pattern[str], rule: str) -> str:
+    """Return ``value`` if ``pattern`` matches all of it, else raise ``ValueError`` naming the ``kind`` of
+    name and the ``rule`` it breaks."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise ValueError(f"invalid {kind} name {value!r}: use 1-64 characters from {rule}")
+    return value
+
+
 def check_pool_name(name: str) -> str:
     """Return ``name`` if it can name a pool (it becomes a file name), else raise ``ValueError``."""
-    if not isinstance(name, str) or not _POOL_NAME.fullmatch(name):
-        raise ValueError(
-            f"invalid pool name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ - , starting with a "
-            "letter or digit (e.g. 'vllm-qwen3-8b')"
-        )
-    return name
+    return _check_name(
+        name, "pool", _POOL_NAME, "A-Z a-z 0-9 . _ - , starting with a letter or digit (e.g. 'vllm-qwen3-8b')"
+    )
 
 
 def check_device_name(device: str) -> str:
     """Return ``device`` if it can name a device (``cuda:0``, a GPU UUID), else raise ``ValueError``."""
-    if not isinstance(device, str) or not _DEVICE_NAME.fullmatch(device):
-        raise ValueError(
-            f"invalid device name {device!r}: use 1-64 characters from A-Z a-z 0-9 . _ : - "
-            "(e.g. 'cuda:0' or the GPU's UUID)"
-        )
-    return device
+    return _check_name(
+        device, "device", _DEVICE_NAME, "A-Z a-z 0-9 . _ : - (e.g. 'cuda:0' or the GPU's UUID)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
