@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Generic, TypeAlias, TypeVar
 
 __all__ = [
     "HISTOGRAM_BOUNDS",
@@ -75,38 +75,34 @@ SNAPSHOT_INT_FIELDS: tuple[str, ...] = (
 SNAPSHOT_APPENDED_INT_FIELDS: tuple[str, ...] = ("largest_request_bytes", "failed_requests")
 
 
+_Number = TypeVar("_Number", int, float)
+
+
 @dataclass(frozen=True, slots=True)
-class IntField:
-    """A signed or unsigned integer at a fixed offset (relative to a base passed at access time)."""
+class _NumberField(Generic[_Number]):
+    """One number at a fixed offset (relative to a base passed at access time), coded by ``codec``."""
 
     offset: int
     codec: struct.Struct
 
-    def get(self, buf: ReadBuffer, base: int = 0) -> int:
+    def get(self, buf: ReadBuffer, base: int = 0) -> _Number:
         """The value stored at ``base + offset``."""
-        value: int = self.codec.unpack_from(buf, base + self.offset)[0]
+        value: _Number = self.codec.unpack_from(buf, base + self.offset)[0]
         return value
 
-    def put(self, buf: WriteBuffer, value: int, base: int = 0) -> None:
+    def put(self, buf: WriteBuffer, value: _Number, base: int = 0) -> None:
         """Store ``value`` at ``base + offset`` (``struct.error`` if it does not fit the type)."""
         self.codec.pack_into(buf, base + self.offset, value)
 
 
 @dataclass(frozen=True, slots=True)
-class FloatField:
+class IntField(_NumberField[int]):
+    """A signed or unsigned integer at a fixed offset (relative to a base passed at access time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FloatField(_NumberField[float]):
     """A float64 at a fixed offset."""
-
-    offset: int
-    codec: struct.Struct
-
-    def get(self, buf: ReadBuffer, base: int = 0) -> float:
-        """The value stored at ``base + offset``."""
-        value: float = self.codec.unpack_from(buf, base + self.offset)[0]
-        return value
-
-    def put(self, buf: WriteBuffer, value: float, base: int = 0) -> None:
-        """Store ``value`` at ``base + offset``."""
-        self.codec.pack_into(buf, base + self.offset, value)
 
 
 @dataclass(frozen=True, slots=True)
