@@ -17,9 +17,9 @@ page size, limit, reserve ...); :meth:`PluginConfig.pool_config` hands exactly t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from elastic_kv.errors import ConfigError
 
@@ -34,27 +34,32 @@ Backend = Literal["native", "elastic"]
 BACKENDS: tuple[Backend, ...] = ("native", "elastic")
 
 
-def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+_Number = TypeVar("_Number", int, float)
+
+
+def _number(
+    environ: Mapping[str, str], name: str, default: _Number, parse: Callable[[str], _Number], what: str
+) -> _Number:
+    """``name``'s value read with ``parse``, ``default`` when unset or blank; ConfigError saying the text
+    is not ``what`` when ``parse`` refuses it."""
     text = environ.get(name)
     if text is None or text.strip() == "":
         return default
     try:
-        value = float(text)
+        return parse(text)
     except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}={text!r} is not {what}") from None
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    value = _number(environ, name, default, float, "a number of seconds")
     if not 0 <= value < float("inf"):
         raise ConfigError(f"{name}={value} must be a finite number >= 0")
     return value
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    text = environ.get(name)
-    if text is None or text.strip() == "":
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not an integer") from None
+    value = _number(environ, name, default, int, "an integer")
     if value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
     return value
