@@ -46,6 +46,12 @@ class Pool:
         self.ledger.close()
         self.mapper.close()
 
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def make_pool(
     geometry: BlockGeometry | None = None,

@@ -6,31 +6,17 @@ import logging
 from pathlib import Path
 
 import pytest
+from elastic_kv import sizes
 from elastic_kv.config import ElasticConfig, parse_size
 from elastic_kv.errors import ConfigError
 from elastic_kv.ledger.reserve import ReservePolicy
 from elastic_kv.snapshot import SNAPSHOT_SCHEMA, PoolSnapshot, PoolState
 
 
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [
-        ("4096", 4096),
-        ("512K", 512 << 10),
-        ("2M", 2 << 20),
-        ("2MiB", 2 << 20),
-        ("1.5G", 3 << 29),
-        (" 8 gb ", 8 << 30),
-    ],
-)
-def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "M", "-1", "2X", "1.3K", "two"])
-def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
-        parse_size(text)
+def test_config_reads_sizes_with_the_operators_parser() -> None:
+    """``elastic_kv.config.parse_size`` (what ``ELASTIC_KV_*`` sizes go through) is ``kvctl``'s parser; its
+    cases are in ``tests/limits/test_layout_and_sizes.py``."""
+    assert parse_size is sizes.parse_size
 
 
 def test_from_env_reads_only_its_prefix() -> None:

@@ -124,10 +124,9 @@ def test_ids_of_another_pool_are_rejected(pool: Pool) -> None:
 
 
 def test_emptied_pages_fill_the_reserve_up_to_its_cap_then_unmap() -> None:
-    pool = make_pool(
+    with make_pool(
         config=ElasticConfig(page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=2)
-    )
-    try:
+    ) as pool:
         led = pool.ledger
         pages = fill_pages(pool, 6)
         assert pool.group.num_mapped == 6
@@ -145,13 +144,10 @@ def test_emptied_pages_fill_the_reserve_up_to_its_cap_then_unmap() -> None:
         assert pool.group.mapped_pages() == [0]
         assert led.charged_bytes == pool.group.mapped_bytes == PAGE_BYTES
         check_invariants(pool, set(pages[0]))
-    finally:
-        pool.close()
 
 
 def test_reserve_pages_are_used_without_mapping() -> None:
-    pool = make_pool(config=ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4))
-    try:
+    with make_pool(config=ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4)) as pool:
         led = pool.ledger
         blocks = led.alloc(7)  # pages 0, 1
         assert blocks is not None
@@ -161,16 +157,13 @@ def test_reserve_pages_are_used_without_mapping() -> None:
         assert again is not None and {led.geometry.page_of(b) for b in again} == {1}
         assert pool.backend.calls("map") == maps  # no driver call
         assert led.snapshot().reserve_hits == 1
-    finally:
-        pool.close()
 
 
 def test_deferred_release_waits_for_its_epoch() -> None:
     cfg = ElasticConfig(
         page_size=SLOT, premap=False, defer_release=True, reserve_min_pages=0, reserve_max_pages=0
     )
-    pool = make_pool(config=cfg)
-    try:
+    with make_pool(config=cfg) as pool:
         led = pool.ledger
         pages = fill_pages(pool, 4)
         e1 = led.advance_epoch()
@@ -196,8 +189,6 @@ def test_deferred_release_waits_for_its_epoch() -> None:
         assert led.release_through(e2) == 1
         assert pool.group.mapped_pages() == [0, 3]
         check_invariants(pool, set(pages[0]) | set(pages[3]))
-    finally:
-        pool.close()
 
 
 def test_null_block_is_backed_for_life_and_never_issued(pool: Pool) -> None:
@@ -213,15 +204,12 @@ def test_null_block_is_backed_for_life_and_never_issued(pool: Pool) -> None:
 
 
 def test_no_null_block_issues_block_zero() -> None:
-    pool = make_pool(null_block=None)
-    try:
+    with make_pool(null_block=None) as pool:
         assert pool.group.num_mapped == 0
         got = pool.ledger.alloc(64)
         assert got is not None and sorted(got) == list(range(64))
         pool.ledger.free(got)
         assert pool.ledger.used_blocks == 0
-    finally:
-        pool.close()
 
 
 def test_available_size_follows_limit_and_cached_free_memory() -> None:
@@ -234,8 +222,7 @@ def test_available_size_follows_limit_and_cached_free_memory() -> None:
 
     clock = [0.0]
     cfg = ElasticConfig(page_size=SLOT, premap=False, limit_bytes=8 * PAGE_BYTES, free_memory_ttl_s=1.0)
-    pool = make_pool(config=cfg, physical_free=physical_free, clock=lambda: clock[0])
-    try:
+    with make_pool(config=cfg, physical_free=physical_free, clock=lambda: clock[0]) as pool:
         led = pool.ledger
         assert len(calls) == 1
         # page 0 backed (3 free) + 5 pages of driver memory (below the 7 pages the limit leaves)
@@ -253,14 +240,11 @@ def test_available_size_follows_limit_and_cached_free_memory() -> None:
         assert led.available_size() == 6 * 4  # now the limit binds: 8 pages in all, 2 backed
         assert led.alloc(25) is None
         assert led.alloc(24) is not None
-    finally:
-        pool.close()
 
 
 def test_lowering_the_limit_drains_the_pages_with_fewest_live_blocks() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4)
-    pool = make_pool(config=cfg)
-    try:
+    with make_pool(config=cfg) as pool:
         led = pool.ledger
         pages = fill_pages(pool, 6)
         led.free(pages[5])  # page 5 -> reserve
@@ -290,8 +274,6 @@ def test_lowering_the_limit_drains_the_pages_with_fewest_live_blocks() -> None:
         led.resize(0)  # no limit: grows at once
         assert led.alloc(12) is not None
         assert pool.group.num_mapped == 6
-    finally:
-        pool.close()
 
 
 def test_clear_frees_everything_but_the_null_block(pool: Pool) -> None:
@@ -303,8 +285,7 @@ def test_clear_frees_everything_but_the_null_block(pool: Pool) -> None:
 
 
 def test_out_of_memory_in_the_data_plane_leaves_everything_unchanged() -> None:
-    pool = make_pool(fault=True)
-    try:
+    with make_pool(fault=True) as pool:
         led = pool.ledger
         led.alloc(2)
         before = fingerprint(pool)
@@ -314,27 +295,21 @@ def test_out_of_memory_in_the_data_plane_leaves_everything_unchanged() -> None:
         assert fingerprint(pool) == before
         assert led.alloc(6) is not None  # pressure passed: works again
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_driver_error_propagates_with_nothing_changed() -> None:
-    pool = make_pool(fault=True)
-    try:
+    with make_pool(fault=True) as pool:
         before = fingerprint(pool)
         pool.backend.fail("map", error="error")
         with pytest.raises(_vmm.BackendError):
             pool.ledger.alloc(4)
         assert fingerprint(pool) == before
         assert pool.ledger.alloc(4) is not None
-    finally:
-        pool.close()
 
 
 def test_failed_unmap_keeps_the_page_backed_and_retries() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=0)
-    pool = make_pool(config=cfg, fault=True)
-    try:
+    with make_pool(config=cfg, fault=True) as pool:
         led = pool.ledger
         got = led.alloc(7)
         assert got is not None
@@ -345,8 +320,6 @@ def test_failed_unmap_keeps_the_page_backed_and_retries() -> None:
         led.maintain()  # the reserve is over its target: unmapped now
         assert not pool.group.is_mapped(1)
         check_invariants(pool, set(got[:3]))
-    finally:
-        pool.close()
 
 
 def test_failed_rollback_marks_the_pool_inconsistent() -> None:
@@ -379,18 +352,14 @@ def settle(pool: Pool) -> None:
 def _premapped_pool(**reserve: int) -> Iterator[Pool]:
     """A pool over ``small_geometry(256)`` that maps its reserve in the background (``reserve``: the
     reserve's settings), settled, and closed afterwards."""
-    pool = make_pool(small_geometry(256), config=ElasticConfig(page_size=SLOT, premap=True, **reserve))
-    try:
+    with make_pool(small_geometry(256), config=ElasticConfig(page_size=SLOT, premap=True, **reserve)) as pool:
         settle(pool)
         yield pool
-    finally:
-        pool.close()
 
 
 def test_background_premap_serves_allocations_without_driver_calls() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
-    pool = make_pool(config=cfg)
-    try:
+    with make_pool(config=cfg) as pool:
         led = pool.ledger
         led.maintain()  # queues 2 pages on the data plane's thread
         assert led.snapshot().inflight_pages == 2
@@ -407,8 +376,6 @@ def test_background_premap_serves_allocations_without_driver_calls() -> None:
         assert pool.backend.calls("map") - maps == 4
         assert led.snapshot().reserve_pages == 2
         check_invariants(pool, set(got))
-    finally:
-        pool.close()
 
 
 def test_expected_demand_is_mapped_ahead_and_kept_until_used() -> None:
@@ -451,8 +418,7 @@ def test_expected_demand_is_bounded_like_the_reserve() -> None:
 
 
 def test_expect_does_nothing_without_premap_and_refuses_other_threads() -> None:
-    pool = make_pool(config=ElasticConfig(page_size=SLOT, premap=False))
-    try:
+    with make_pool(config=ElasticConfig(page_size=SLOT, premap=False)) as pool:
         assert pool.ledger.expect(100) == 0 and pool.ledger.snapshot().inflight_pages == 0
         errors: list[BaseException] = []
 
@@ -467,14 +433,11 @@ def test_expect_does_nothing_without_premap_and_refuses_other_threads() -> None:
         thread.join()
         assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_alloc_waits_for_pages_still_in_flight() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=3, reserve_max_pages=8)
-    pool = make_pool(config=cfg, fault=True)
-    try:
+    with make_pool(config=cfg, fault=True) as pool:
         led = pool.ledger
         pool.backend.delay("map", 0.01)  # a slow driver: the background maps are still running ...
         led.maintain()  # ... queued here (pages 1-3)
@@ -487,8 +450,6 @@ def test_alloc_waits_for_pages_still_in_flight() -> None:
         pool.backend.clear()
         settle(pool)
         check_invariants(pool, set(got))
-    finally:
-        pool.close()
 
 
 def test_growth_ramp_is_served_from_the_reserve() -> None:
@@ -504,8 +465,7 @@ def test_growth_ramp_is_served_from_the_reserve() -> None:
 
 def test_steady_state_allocations_hit_the_reserve() -> None:
     cfg = ElasticConfig(page_size=SLOT, premap=True, reserve_min_pages=2, reserve_max_pages=8)
-    pool = make_pool(small_geometry(256), config=cfg)
-    try:
+    with make_pool(small_geometry(256), config=cfg) as pool:
         led = pool.ledger
         live: list[list[int]] = []
         for step in range(400):
@@ -521,8 +481,6 @@ def test_steady_state_allocations_hit_the_reserve() -> None:
         assert end.reserve_misses == warm.reserve_misses, "steady-state alloc waited for the driver"
         assert end.reserve_hits > warm.reserve_hits
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def _prefill_then_decode(light: bool) -> tuple[list[int], list[int], int]:
@@ -601,8 +559,9 @@ def test_light_steps_still_trim_over_the_limit() -> None:
 def test_record_is_charged_exactly_what_is_backed() -> None:
     record = BudgetRecord()
     geo = straddling_geometry()
-    pool = make_pool(geo, ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=1), record=record)
-    try:
+    with make_pool(
+        geo, ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=1), record=record
+    ) as pool:
         led = pool.ledger
         got = [led.alloc(n) for n in (1, 2, 3, 1, 5)]
         assert record.charged_bytes == led.charged_bytes == pool.group.mapped_bytes
@@ -613,30 +572,24 @@ def test_record_is_charged_exactly_what_is_backed() -> None:
         led.trim()
         assert record.charged_bytes == pool.group.mapped_bytes == geo.exclusive_bytes([0], lambda p: False)
         assert {op for op, _ in record.samples} == {"map", "unmap"}
-    finally:
-        pool.close()
     assert record.charged_bytes == 0
 
 
 def test_budget_refusal_is_pressure_not_failure() -> None:
     record = BudgetRecord(budget=[3 * PAGE_BYTES, 0])
-    pool = make_pool(record=record)
-    try:
+    with make_pool(record=record) as pool:
         led = pool.ledger
         assert led.alloc(11) is not None  # 3 pages
         before = fingerprint(pool)
         assert led.alloc(1) is None
         assert fingerprint(pool) == before
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize("premap", [False, True])
 def test_record_error_propagates_with_nothing_changed(premap: bool) -> None:
     record = BudgetRecord()
     cfg = ElasticConfig(page_size=SLOT, premap=premap, reserve_min_pages=2)
-    pool = make_pool(config=cfg, record=record)
-    try:
+    with make_pool(config=cfg, record=record) as pool:
         led = pool.ledger
         before = fingerprint(pool)
         if premap:
@@ -649,15 +602,12 @@ def test_record_error_propagates_with_nothing_changed(premap: bool) -> None:
             led.alloc(4)  # needs a new page
         assert fingerprint(pool) == before
         assert record.charged_bytes == led.charged_bytes == pool.group.mapped_bytes
-    finally:
-        pool.close()
 
 
 def test_kvctl_limit_and_trim_arrive_through_poll() -> None:
     record = BudgetRecord()
     cfg = ElasticConfig(page_size=SLOT, premap=False, reserve_max_pages=4, publish_interval_s=0)
-    pool = make_pool(config=cfg, record=record)
-    try:
+    with make_pool(config=cfg, record=record) as pool:
         led = pool.ledger
         pages = fill_pages(pool, 4)
         led.free(pages[3])
@@ -670,13 +620,10 @@ def test_kvctl_limit_and_trim_arrive_through_poll() -> None:
         snap = record.published[-1]
         assert isinstance(snap, PoolSnapshot)
         assert snap.state is PoolState.SHRINKING and snap.limit_bytes == 2 * PAGE_BYTES
-    finally:
-        pool.close()
 
 
 def test_snapshot_counts() -> None:
-    pool = make_pool()
-    try:
+    with make_pool() as pool:
         led = pool.ledger
         led.alloc(9)
         snap = led.snapshot()
@@ -684,8 +631,6 @@ def test_snapshot_counts() -> None:
         assert (snap.total_pages, snap.mapped_pages, snap.blocks_per_page) == (16, 3, 4)
         assert snap.mapped_bytes == 3 * PAGE_BYTES == pool.group.mapped_bytes
         assert PoolSnapshot.from_dict(snap.as_dict()) == snap
-    finally:
-        pool.close()
 
 
 def test_closed_pool_refuses_work_and_returns_everything() -> None:

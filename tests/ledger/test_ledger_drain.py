@@ -123,10 +123,9 @@ def test_raising_the_limit_above_the_charge_ends_the_drain(deferred: tuple[Pool,
 
 def test_a_limit_below_the_null_blocks_page_drains_everything_else() -> None:
     """The ledger follows any limit (kvctl refuses one below a page); the null block's page stays."""
-    pool = make_pool(
+    with make_pool(
         config=ElasticConfig(page_size=SLOT, premap=False, reserve_min_pages=0, reserve_max_pages=0)
-    )
-    try:
+    ) as pool:
         led = pool.ledger
         got = led.alloc(11)
         assert got is not None
@@ -137,8 +136,6 @@ def test_a_limit_below_the_null_blocks_page_drains_everything_else() -> None:
         assert led.over_limit() and led.snapshot().state is PoolState.SHRINKING
         assert led.alloc(1) is not None  # the null block's page still serves its free blocks
         check_invariants(pool)
-    finally:
-        pool.close()
 
 
 def test_preemptions_are_counted_in_the_snapshot(deferred: tuple[Pool, BudgetRecord]) -> None:
@@ -159,8 +156,7 @@ def test_a_page_queued_twice_while_draining_is_released_once() -> None:
     cfg = ElasticConfig(
         page_size=SLOT, premap=False, defer_release=True, reserve_min_pages=0, reserve_max_pages=0
     )
-    pool = make_pool(small_geometry(48), cfg, record=record, null_block=0)
-    try:
+    with make_pool(small_geometry(48), cfg, record=record, null_block=0) as pool:
         led = pool.ledger
         assert led.alloc(4) is not None
         led.clear()
@@ -170,8 +166,6 @@ def test_a_page_queued_twice_while_draining_is_released_once() -> None:
         led.release_through(led.epoch)
         check_invariants(pool)
         assert record.charged_bytes == pool.ledger.geometry.page_bytes  # the null block's page
-    finally:
-        pool.close()
     assert record.charged_bytes == 0
 
 

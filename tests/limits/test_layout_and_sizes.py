@@ -110,6 +110,9 @@ def test_histogram_quantiles_follow_buckets() -> None:
     [
         ("4096", 4096),
         ("4096B", 4096),
+        ("512K", 512 << 10),
+        ("2M", 2 << 20),
+        ("2MiB", 2 << 20),
         ("512M", 512 << 20),
         ("512m", 512 << 20),
         ("512MiB", 512 << 20),
@@ -123,6 +126,7 @@ def test_histogram_quantiles_follow_buckets() -> None:
         ("100kb", 100 << 10),
         ("1T", 1 << 40),
         (" 64 MiB ", 64 << 20),
+        (" 8 gb ", 8 << 30),
     ],
 )
 def test_parse_size_accepts(text: str, expected: int) -> None:
@@ -130,8 +134,10 @@ def test_parse_size_accepts(text: str, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "12X", "-5M", "M", "1.5", "0.1K", "1e9", "2 G B", "5%", "0x10", "1,5G", "2Gi B"]
-)
+    "text",
+    ["", "12X", "2X", "-5M", "-1", "M", "two", "1.5", "0.1K", "1.3K", "1e9", "2 G B", "5%", "0x10", "1,5G",
+     "2Gi B"],
+)  # fmt: skip
 def test_parse_size_rejects_with_a_message(text: str) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(text)

@@ -17,18 +17,8 @@ import psutil
 import pytest
 from elastic_kv.registry import Registry
 
-from tests.support.sglang_engine import (
-    HEAVY,
-    HEAVY_NEW,
-    MIXED,
-    MIXED_NEW,
-    EngineKind,
-    EngineProcess,
-    check_quiet_and_alive,
-    generate_under_lowered_limit,
-    generate_watching_peaks,
-    settled_snapshot,
-)
+from tests.support import sglang_engine as se
+from tests.support.sglang_engine import EngineKind, EngineProcess
 
 pytestmark = pytest.mark.sglang
 
@@ -51,10 +41,10 @@ def reference(tiny_model_path: Path) -> dict[Any, dict[str, list[list[int]]]]:
         with ENGINES.start(f"native-ps{ps}", tiny_model_path, "native", {}, page_size=ps) as eng:
             out[ps] = {
                 "small": eng.generate(SMALL, max_new_tokens=24),
-                "heavy": eng.generate(HEAVY, max_new_tokens=HEAVY_NEW),
+                "heavy": eng.generate(se.HEAVY, max_new_tokens=se.HEAVY_NEW),
             }
             if ps == 1:
-                out[ps]["mixed"] = eng.generate(MIXED, max_new_tokens=MIXED_NEW)
+                out[ps]["mixed"] = eng.generate(se.MIXED, max_new_tokens=se.MIXED_NEW)
             eng.call("flush_cache")
             out[ps]["rss"] = [_scheduler_rss(eng)]
     return out
@@ -93,7 +83,7 @@ def test_installed_but_not_enabled_changes_nothing(reference: dict[Any, Any]) ->
 def test_ps1_pool_is_elastic_and_starts_small(elastic_ps1: EngineProcess, registry_dir: Path) -> None:
     info = Registry(registry_dir).pool("elastic-ps1")
     assert info.engine == "sglang"
-    snap = settled_snapshot(registry_dir, "elastic-ps1")
+    snap = se.settled_snapshot(registry_dir, "elastic-ps1")
     assert snap.used_blocks == 0
     # Only the null page and the reserve are backed: far below the 64 MiB a native pool holds.
     assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
@@ -111,15 +101,15 @@ def test_ps1_memory_follows_load(
 ) -> None:
     name = "elastic-ps1"
     elastic_ps1.call("flush_cache")
-    idle = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
-    out, peaks = generate_watching_peaks(elastic_ps1, registry_dir, (name,), HEAVY, HEAVY_NEW)
+    idle = se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
+    out, peaks = se.generate_watching_peaks(elastic_ps1, registry_dir, (name,), se.HEAVY, se.HEAVY_NEW)
     peak = max(peaks[name], idle.mapped_bytes)
     assert out == reference[1]["heavy"]
     # 8 x 144 tokens x 2 layers x (K + V) x 256 B = 1.1 MiB of live KV at the peak.
     assert peak >= idle.mapped_bytes + (1 << 20), (idle, peak)
     # The prefix cache keeps the batch (no bound here); flushing it returns the memory.
     elastic_ps1.call("flush_cache")
-    after = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
+    after = se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
     assert after.used_blocks == 0
     assert after.mapped_bytes <= idle.mapped_bytes
 
@@ -128,11 +118,11 @@ def test_ps1_flush_and_release_return_memory(elastic_ps1: EngineProcess, registr
     name = "elastic-ps1"
     elastic_ps1.generate(SMALL, max_new_tokens=24)
     elastic_ps1.call("flush_cache")
-    snap = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    snap = se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
     assert snap.used_blocks == 0
     elastic_ps1.generate(SMALL, max_new_tokens=24)
     elastic_ps1.call("release_memory_occupation", tags=["kv_cache"])
-    snap = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
+    snap = se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.reserve_pages == 0)
     assert snap.used_blocks == 0 and snap.reserve_pages == 0
     assert snap.mapped_bytes <= snap.page_bytes  # the null page only
     elastic_ps1.call("resume_memory_occupation", tags=["kv_cache"])
@@ -150,8 +140,8 @@ def test_ps16_outputs_equal_native(elastic_ps16: EngineProcess, reference: dict[
 def test_ps16_radix_bound(elastic_ps16: EngineProcess, registry_dir: Path, reference: dict[int, Any]) -> None:
     """After each request, the prefix cache keeps at most BOUND tokens: the rest is evicted through
     SGLang's own cache (UnifiedRadixCache, the engine default) and its pages return to the ledger."""
-    assert elastic_ps16.generate(HEAVY, max_new_tokens=HEAVY_NEW) == reference[16]["heavy"]
-    snap = settled_snapshot(registry_dir, "elastic-ps16", lambda s: s.used_blocks * 16 <= BOUND)
+    assert elastic_ps16.generate(se.HEAVY, max_new_tokens=se.HEAVY_NEW) == reference[16]["heavy"]
+    snap = se.settled_snapshot(registry_dir, "elastic-ps16", lambda s: s.used_blocks * 16 <= BOUND)
     assert snap.used_blocks * 16 <= BOUND, snap
 
 
@@ -174,7 +164,7 @@ def test_ps1_lowered_limit_with_mixed_lengths(
     """A limit lowered below a running batch of mixed lengths at page_size 1 (SGLang's slots in 64-slot
     chunks, several chunks a page): the drain releases the pages of the requests SGLang retracts first,
     free slots on them are withheld, and the tokens stay the native ones."""
-    mixed = generate_under_lowered_limit(elastic_ps1, registry_dir, "elastic-ps1", MIXED, MIXED_NEW)
+    mixed = se.generate_under_lowered_limit(elastic_ps1, registry_dir, "elastic-ps1", se.MIXED, se.MIXED_NEW)
     assert mixed == reference[1]["mixed"]
     assert elastic_ps1.generate(SMALL, max_new_tokens=24) == reference[1]["small"]
 
@@ -184,7 +174,9 @@ def test_ps16_lowered_limit_retracts_not_crashes(
 ) -> None:
     """kvctl lowers the pool's limit below what a running batch uses: SGLang retracts requests (and later
     re-admits them within the limit) instead of failing an allocation; the tokens stay the native ones."""
-    heavy = generate_under_lowered_limit(elastic_ps16, registry_dir, "elastic-ps16", HEAVY, HEAVY_NEW)
+    heavy = se.generate_under_lowered_limit(
+        elastic_ps16, registry_dir, "elastic-ps16", se.HEAVY, se.HEAVY_NEW
+    )
     assert heavy == reference[16]["heavy"]
     assert elastic_ps16.generate(SMALL, max_new_tokens=24) == reference[16]["small"]
 
@@ -195,4 +187,4 @@ def test_idle_leak_check_ran_and_passed(
 ) -> None:
     """SGLang's idle check (available + evictable + ... == total, and the allocator's own accounting via
     verify_byte_accounting) runs on every idle scheduler pass and raises on a leak; it stayed on and quiet."""
-    check_quiet_and_alive({"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name])
+    se.check_quiet_and_alive({"elastic-ps1": elastic_ps1, "elastic-ps16": elastic_ps16}[name])

@@ -21,17 +21,9 @@ from typing import Any
 import pytest
 from elastic_kv.registry import Registry
 
+from tests.support import sglang_engine as se
 from tests.support.models import transformers_greedy
-from tests.support.sglang_engine import (
-    HEAVY,
-    HEAVY_NEW,
-    EngineKind,
-    EngineProcess,
-    check_quiet_and_alive,
-    generate_under_lowered_limit,
-    generate_watching_peaks,
-    settled_snapshot,
-)
+from tests.support.sglang_engine import EngineKind, EngineProcess
 from tests.support.sglang_models import GDN_ENGINE_ENV, tiny_gdn_model
 
 pytestmark = pytest.mark.sglang
@@ -65,7 +57,7 @@ def gdn_model(sglang_plugin: None) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gdn_model: Path) -> dict[str, list[list[int]]]:
-    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "crowd": (CROWD, CROWD_NEW)}
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (se.HEAVY, se.HEAVY_NEW), "crowd": (CROWD, CROWD_NEW)}
     return ENGINES.reference("gdn-native", gdn_model, runs)
 
 
@@ -107,15 +99,15 @@ def test_state_pool_is_elastic_and_follows_requests(elastic: EngineProcess, regi
     pools = {info.name for info in Registry(registry_dir).pools()}
     assert {NAME, mamba} <= pools  # the attention KV pool and the state pool, each elastic
     _flush(elastic)
-    idle = settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0)
+    idle = se.settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0)
     assert idle.used_blocks == 0 and idle.mapped_pages == 1
     assert idle.total_blocks == MAMBA_SLOTS + 1
     batch = [[(11 * i + j) % 900 + 10 for j in range(16 + i)] for i in range(12)]
-    _, peak = generate_watching_peaks(elastic, registry_dir, (mamba,), batch, max_new_tokens=8)
+    _, peak = se.generate_watching_peaks(elastic, registry_dir, (mamba,), batch, max_new_tokens=8)
     # 12 requests hold 12 state slots at once; the dummy slot's page holds at most 3 of them.
     assert peak[mamba] >= idle.mapped_bytes + (12 - 3) * idle.block_size_bytes
     _flush(elastic)
-    after = settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
+    after = se.settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
     assert after.used_blocks == 0 and after.mapped_bytes == idle.mapped_bytes
 
 
@@ -124,10 +116,10 @@ def test_lowered_limit_retracts_not_crashes(
 ) -> None:
     """A KV limit below the batch's need makes SGLang retract requests (their state slots go back to the
     state pool) instead of failing an allocation; outputs stay exact."""
-    out = generate_under_lowered_limit(elastic, registry_dir, NAME, HEAVY, HEAVY_NEW)
+    out = se.generate_under_lowered_limit(elastic, registry_dir, NAME, se.HEAVY, se.HEAVY_NEW)
     assert out == reference["heavy"]
     _flush(elastic)
-    state = settled_snapshot(registry_dir, f"{NAME}-mamba", lambda s: s.used_blocks == 0)
+    state = se.settled_snapshot(registry_dir, f"{NAME}-mamba", lambda s: s.used_blocks == 0)
     assert state.used_blocks == 0
 
 
@@ -141,13 +133,15 @@ def test_a_budget_below_the_states_need_delays_requests_not_crashes(
     slots that can be backed, so the others wait their turn and every request ends with the native tokens."""
     mamba = f"{NAME}-mamba"
     _flush(elastic)
-    idle = settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
+    idle = se.settled_snapshot(registry_dir, mamba, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
     registry = Registry(registry_dir)
     device = registry.pool(mamba).device
     budget = registry.device(device).charged_bytes
     registry.set_budget(device, budget)
     try:
-        out, peak = generate_watching_peaks(elastic, registry_dir, (mamba,), CROWD, max_new_tokens=CROWD_NEW)
+        out, peak = se.generate_watching_peaks(
+            elastic, registry_dir, (mamba,), CROWD, max_new_tokens=CROWD_NEW
+        )
         assert out == reference["crowd"]
         assert peak[mamba] <= idle.mapped_bytes  # the dummy slot's page only: no slot beyond the budget
         assert registry.device(device).charged_bytes <= budget
@@ -166,7 +160,7 @@ def test_sleep_returns_both_pools_and_wake_serves_the_same(
     _flush(elastic)  # SGLang releases memory only when idle (its release flushes the cache too)
     elastic.call("release_memory_occupation", tags=["kv_cache"])
     for name in (NAME, f"{NAME}-mamba"):
-        snap = settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
+        snap = se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0 and s.mapped_pages == 1)
         assert snap.used_blocks == 0 and snap.mapped_pages == 1, snap
     elastic.call("resume_memory_occupation", tags=["kv_cache"])
     assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
@@ -175,4 +169,4 @@ def test_sleep_returns_both_pools_and_wake_serves_the_same(
 def test_idle_leak_check_ran_and_passed(elastic: EngineProcess) -> None:
     """SGLang's idle checks (KV and Mamba: available + evictable + protected == total, and the allocators'
     own accounting via verify_byte_accounting, which covers the state ledger) stayed on and quiet."""
-    check_quiet_and_alive(elastic)
+    se.check_quiet_and_alive(elastic)

@@ -20,19 +20,9 @@ from typing import Any
 import pytest
 from elastic_kv.registry import Registry
 
+from tests.support import sglang_engine as se
 from tests.support.models import transformers_greedy
-from tests.support.sglang_engine import (
-    HEAVY,
-    HEAVY_NEW,
-    MIXED,
-    MIXED_NEW,
-    EngineKind,
-    EngineProcess,
-    check_quiet_and_alive,
-    generate_under_lowered_limit,
-    generate_watching_peaks,
-    settled_snapshot,
-)
+from tests.support.sglang_engine import EngineKind, EngineProcess
 from tests.support.sglang_models import SWA_ENGINE_ENV, TINY_PURE_SWA, tiny_swa_model
 
 pytestmark = pytest.mark.sglang
@@ -55,7 +45,7 @@ def model(sglang_plugin: None) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, list[list[int]]]:
-    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW), "mixed": (MIXED, MIXED_NEW)}
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (se.HEAVY, se.HEAVY_NEW), "mixed": (se.MIXED, se.MIXED_NEW)}
     return ENGINES.reference("pure-swa-native", model, runs)
 
 
@@ -78,7 +68,7 @@ def test_native_engine_matches_transformers(model: Path, reference: dict[str, An
 def test_one_elastic_pool_serves_every_layer(elastic: EngineProcess, registry_dir: Path) -> None:
     pools = {info.name for info in Registry(registry_dir).pools()}
     assert POOL in pools and f"{NAME}-full" not in pools  # no layers, no memory, no record
-    idle = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    idle = se.settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
     assert idle.mapped_bytes <= (1 + idle.reserve_pages + idle.inflight_pages) * idle.page_bytes
 
 
@@ -92,13 +82,13 @@ def test_memory_grows_and_returns(
     elastic: EngineProcess, registry_dir: Path, reference: dict[str, Any]
 ) -> None:
     elastic.call("flush_cache")
-    idle = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
-    out, peaks = generate_watching_peaks(elastic, registry_dir, (POOL,), HEAVY, HEAVY_NEW)
+    idle = se.settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    out, peaks = se.generate_watching_peaks(elastic, registry_dir, (POOL,), se.HEAVY, se.HEAVY_NEW)
     assert out == reference["heavy"]
     # 8 x 96 in-window tokens x 4 layers x (K + V) x 256 B = 1.5 MiB at the peak.
     assert max(peaks[POOL], idle.mapped_bytes) >= idle.mapped_bytes + 2 * idle.page_bytes, (idle, peaks)
     elastic.call("flush_cache")
-    after = settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
+    after = se.settled_snapshot(registry_dir, POOL, lambda s: s.used_blocks == 0)
     assert after.used_blocks == 0
     assert after.mapped_bytes <= max(idle.mapped_bytes, (1 + after.reserve_pages) * after.page_bytes)
 
@@ -112,12 +102,12 @@ def test_lowered_limit_retracts_not_crashes(
     passes SGLang's capacity check, then frees out-of-window slots in a free group whose housekeeping
     withholds free slots on draining pages, then allocates (what the check admitted must still be there:
     ``tests/sglang/test_sglang_drain_units.py::test_a_decode_check_holds_through_the_free_group_before_the_allocation``)."""
-    heavy = generate_under_lowered_limit(elastic, registry_dir, POOL, HEAVY, HEAVY_NEW)
+    heavy = se.generate_under_lowered_limit(elastic, registry_dir, POOL, se.HEAVY, se.HEAVY_NEW)
     assert heavy == reference["heavy"]
-    mixed = generate_under_lowered_limit(elastic, registry_dir, POOL, MIXED, MIXED_NEW)
+    mixed = se.generate_under_lowered_limit(elastic, registry_dir, POOL, se.MIXED, se.MIXED_NEW)
     assert mixed == reference["mixed"]
     assert elastic.generate(PROMPTS, max_new_tokens=NEW) == reference["prompts"]
 
 
 def test_idle_leak_check_ran_and_passed(elastic: EngineProcess) -> None:
-    check_quiet_and_alive(elastic)
+    se.check_quiet_and_alive(elastic)

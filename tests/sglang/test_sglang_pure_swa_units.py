@@ -13,16 +13,9 @@ import torch
 from elastic_kv.errors import ConfigError
 from elastic_kv.registry import Registry
 
+from tests.support.sglang_units import configurator
+
 pytestmark = pytest.mark.sglang
-
-
-def _configurator(algorithm: str = "NONE") -> Any:
-    """What the allocator builder hook reads of SGLang's configurator (building SGLang's needs a model)."""
-    from types import SimpleNamespace
-
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
 
 
 H, D = 2, 32
@@ -173,7 +166,7 @@ def test_builder_swaps_sglangs_pure_allocator_and_checks_the_pool(pure: tuple[An
     pool, _ = pure
     built = build_allocator_around(
         lambda cfg, **kw: PureSWATokenToKVPoolAllocator(SIZE_SWA, 1, torch.float32, "cpu", pool, False),
-        _configurator(),
+        configurator(),
         token_to_kv_pool_allocator=None,
     )
     assert type(built) is ElasticPureSWAAllocator and is_elastic_allocator(built)

@@ -20,17 +20,9 @@ import pytest
 from elastic_kv.registry import Registry
 from elastic_kv.snapshot import PoolSnapshot
 
+from tests.support import sglang_engine as se
 from tests.support.models import transformers_greedy
-from tests.support.sglang_engine import (
-    HEAVY,
-    HEAVY_NEW,
-    EngineKind,
-    EngineProcess,
-    check_quiet_and_alive,
-    generate_under_lowered_limit,
-    generate_watching_peaks,
-    settled_snapshot,
-)
+from tests.support.sglang_engine import EngineKind, EngineProcess
 from tests.support.sglang_models import SWA_ENGINE_ENV, tiny_swa_model
 
 pytestmark = pytest.mark.sglang
@@ -56,7 +48,7 @@ def swa_model(sglang_plugin: None) -> Path:
 @pytest.fixture(scope="module")
 def reference(swa_model: Path) -> dict[int, dict[str, list[list[int]]]]:
     """Native outputs at page_size 1 and 16."""
-    runs = {"prompts": (PROMPTS, NEW), "heavy": (HEAVY, HEAVY_NEW)}
+    runs = {"prompts": (PROMPTS, NEW), "heavy": (se.HEAVY, se.HEAVY_NEW)}
     return {ps: ENGINES.reference(f"swa-native-ps{ps}", swa_model, runs, page_size=ps) for ps in (1, 16)}
 
 
@@ -76,7 +68,7 @@ def elastic_ps16(
 
 
 def _idle(registry_dir: Path, name: str) -> PoolSnapshot:
-    return settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
+    return se.settled_snapshot(registry_dir, name, lambda s: s.used_blocks == 0)
 
 
 # -- the reference itself -----------------------------------------------------------------------------------
@@ -92,7 +84,7 @@ def test_native_engine_matches_transformers(swa_model: Path, reference: dict[int
     assert model.config.sliding_window == WINDOW
     assert transformers_greedy(model, PROMPTS, NEW) == reference[1]["prompts"]
     # The batch served after the first one: by then SWA slots and full slots differ.
-    assert transformers_greedy(model, HEAVY, HEAVY_NEW, batch=True) == reference[1]["heavy"]
+    assert transformers_greedy(model, se.HEAVY, se.HEAVY_NEW, batch=True) == reference[1]["heavy"]
     # The page size changes where KV lives, not what is computed: page_size 16 gives the same tokens.
     assert reference[16] == reference[1]
 
@@ -116,7 +108,7 @@ def test_ps1_both_pools_follow_load(
         # Before a batch: the null page and the reserve, nothing in use.
         assert snap.used_blocks == 0
         assert snap.mapped_bytes <= (1 + snap.reserve_pages + snap.inflight_pages) * snap.page_bytes
-    out, peaks = generate_watching_peaks(elastic_ps1, registry_dir, names, HEAVY, HEAVY_NEW)
+    out, peaks = se.generate_watching_peaks(elastic_ps1, registry_dir, names, se.HEAVY, se.HEAVY_NEW)
     peak = {name: max(peaks[name], idle[name].mapped_bytes) for name in names}
     assert out == reference[1]["heavy"]
     for name in names:
@@ -147,7 +139,7 @@ def test_ps16_lowered_limit_retracts_not_crashes(
     """kvctl lowers the full-attention pool's limit below what a running batch uses: SGLang retracts
     requests (and re-admits them within the limit) instead of failing an allocation; same tokens."""
     name = "swa-elastic-ps16-full"
-    heavy = generate_under_lowered_limit(elastic_ps16, registry_dir, name, HEAVY, HEAVY_NEW)
+    heavy = se.generate_under_lowered_limit(elastic_ps16, registry_dir, name, se.HEAVY, se.HEAVY_NEW)
     assert heavy == reference[16]["heavy"]
     assert elastic_ps16.generate(PROMPTS, max_new_tokens=NEW) == reference[16]["prompts"]
 
@@ -166,8 +158,8 @@ def test_ps16_sliding_window_pool_limit_is_followed(
     registry = Registry(registry_dir)
     registry.set_limit(name, limit)
     try:
-        settled_snapshot(registry_dir, name, lambda s: s.limit_bytes == limit)
-        out, peaks = generate_watching_peaks(elastic_ps16, registry_dir, (name,), HEAVY, HEAVY_NEW)
+        se.settled_snapshot(registry_dir, name, lambda s: s.limit_bytes == limit)
+        out, peaks = se.generate_watching_peaks(elastic_ps16, registry_dir, (name,), se.HEAVY, se.HEAVY_NEW)
         peak = peaks[name]
         assert out == reference[16]["heavy"]
         assert 0 < peak <= limit
@@ -187,4 +179,4 @@ def test_idle_leak_check_ran_and_passed(
     eng = {"swa-elastic-ps1": elastic_ps1, "swa-elastic-ps16": elastic_ps16}[name]
     pools = {info.name for info in Registry(registry_dir).pools()}
     assert {f"{name}-full", f"{name}-swa"} <= pools  # both sub-pools elastic, each in the registry
-    check_quiet_and_alive(eng)
+    se.check_quiet_and_alive(eng)

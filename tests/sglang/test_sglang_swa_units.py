@@ -14,16 +14,9 @@ import torch
 from elastic_kv.errors import ConfigError
 from elastic_kv.registry import Registry
 
+from tests.support.sglang_units import configurator
+
 pytestmark = pytest.mark.sglang
-
-
-def _configurator(algorithm: str = "NONE") -> Any:
-    """What the allocator builder hook reads of SGLang's configurator (building SGLang's needs a model)."""
-    from types import SimpleNamespace
-
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
 
 
 H, D = 2, 32
@@ -308,7 +301,7 @@ def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatc
     try:
         built = build_allocator_around(
             lambda cfg, **kw: SWATokenToKVPoolAllocator(SIZE, SIZE_SWA, 1, torch.float32, "cpu", pool, False),
-            _configurator(),
+            configurator(),
             token_to_kv_pool_allocator=None,
         )
         assert type(built) is ElasticSWATokenToKVPoolAllocator and built.get_kvcache() is pool

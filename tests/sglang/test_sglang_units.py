@@ -11,16 +11,9 @@ import pytest
 import torch
 from elastic_kv.errors import ConfigError
 
+from tests.support.sglang_units import configurator
+
 pytestmark = pytest.mark.sglang
-
-
-def _configurator(algorithm: str = "NONE") -> Any:
-    """What the allocator builder hook reads of SGLang's configurator (building SGLang's needs a model)."""
-    from types import SimpleNamespace
-
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    return SimpleNamespace(spec_algorithm=SpeculativeAlgorithm[algorithm], mambaish_config=None)
 
 
 H, D, LAYERS = 2, 32, 2
@@ -371,7 +364,7 @@ def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: t
     pool, _ = token_setup
     built = build_allocator_around(
         lambda cfg, **kw: TokenToKVPoolAllocator(512, torch.float32, "cpu", pool, False),
-        _configurator(),
+        configurator(),
         token_to_kv_pool_allocator=None,
     )
     assert type(built) is ElasticTokenToKVPoolAllocator and built.get_kvcache() is pool
@@ -379,7 +372,7 @@ def test_allocator_builder_swaps_page_size_1_and_refuses_the_rest(token_setup: t
     with pytest.raises(ConfigError, match="elastic KV pool"):
         build_allocator_around(
             lambda cfg, **kw: TokenToKVPoolAllocator(512, torch.float32, "cpu", plain, False),
-            _configurator(),
+            configurator(),
             token_to_kv_pool_allocator=None,
         )
 
@@ -396,7 +389,7 @@ def test_speculative_decoding_is_refused_before_anything_is_built() -> None:
 
     for name in ("NGRAM", "EAGLE", "STANDALONE"):
         with pytest.raises(ConfigError) as info:
-            build_allocator_around(never, _configurator(name), token_to_kv_pool_allocator=None)
+            build_allocator_around(never, configurator(name), token_to_kv_pool_allocator=None)
         text = str(info.value)
         assert "\n" not in text and f"speculative decoding (--speculative-algorithm {name})" in text
         with pytest.raises(ConfigError, match=f"--speculative-algorithm {name}"):

@@ -18,16 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import (
-    TEST_ENV,
-    charged_bytes,
-    check_device_charged_for_every_rank,
-    elastic_llm,
-    generate,
-    pool_snapshot,
-    ranks_back_the_same_pages,
-    wait_for,
-)
+import vllm_engines
 
 pytestmark = [
     pytest.mark.vllm,
@@ -40,29 +31,31 @@ PP = 2
 
 @pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
-    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    with elastic_llm(
+    env = {
+        **vllm_engines.TEST_ENV,
+        "ELASTIC_KV_REGISTRY_DIR": str(registry_dir),
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    with vllm_engines.elastic_llm(
         env, POOL, pipeline_parallel_size=PP, distributed_executor_backend="mp", enforce_eager=False
     ) as engine:
         yield engine
 
 
 def test_greedy_outputs_equal_native(llm: Any, reference: dict[str, list[list[int]]]) -> None:
-    assert generate(llm) == reference["on"]
+    assert vllm_engines.generate(llm) == reference["on"]
 
 
 def test_each_stage_backs_its_own_layers_on_the_same_pages(llm: Any, registry_dir: Path) -> None:
-    infos = llm.collective_rpc("elastic_kv_info")
-    assert [i["rank"] for i in infos] == list(range(PP))
-    assert len({i["pid"] for i in infos}) == PP
+    infos = vllm_engines.check_one_process_per_rank(llm, PP)
     # The tiny model's two layers: one per stage, each stage's spaces cover only its own layer.
     assert [i["kv_cache_groups"] for i in infos] == ["1 x FullAttentionSpec (1 layer)"] * PP
-    assert wait_for(lambda: ranks_back_the_same_pages(llm))
+    assert vllm_engines.wait_for(lambda: vllm_engines.ranks_back_the_same_pages(llm))
 
 
 def test_the_device_is_charged_for_every_stage(llm: Any, registry_dir: Path) -> None:
-    generate(llm)
-    check_device_charged_for_every_rank(llm, registry_dir, POOL)
+    vllm_engines.generate(llm)
+    vllm_engines.check_device_charged_for_every_rank(llm, registry_dir, POOL)
 
 
 def test_an_idle_engine_returns_to_the_null_page_and_reserve_on_every_stage(
@@ -78,5 +71,5 @@ def test_an_idle_engine_returns_to_the_null_page_and_reserve_on_every_stage(
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    idle = PP * (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * pool_snapshot(registry_dir, POOL).page_bytes
-    assert wait_for(lambda: charged_bytes(registry_dir, POOL) <= idle)
+    idle = vllm_engines.idle_bytes(registry_dir, POOL, PP)
+    assert vllm_engines.wait_for(lambda: vllm_engines.charged_bytes(registry_dir, POOL) <= idle)

@@ -14,16 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_engines import (
-    TEST_ENV,
-    charged_bytes,
-    check_device_charged_for_every_rank,
-    elastic_llm,
-    generate,
-    pool_snapshot,
-    ranks_back_the_same_pages,
-    wait_for,
-)
+import vllm_engines
 
 pytestmark = pytest.mark.vllm
 
@@ -33,31 +24,29 @@ TP = 2 if (os.cpu_count() or 1) >= 2 else 1
 
 @pytest.fixture(scope="module")
 def llm(registry_dir: Path) -> Iterator[Any]:
-    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    env = {**vllm_engines.TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     if TP == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    with elastic_llm(env, POOL, tensor_parallel_size=TP, enable_prefix_caching=False) as engine:
+    with vllm_engines.elastic_llm(env, POOL, tensor_parallel_size=TP, enable_prefix_caching=False) as engine:
         yield engine
 
 
 def test_greedy_outputs_equal_native_without_prefix_caching(
     llm: Any, reference: dict[str, list[list[int]]]
 ) -> None:
-    assert generate(llm) == reference["off"]
+    assert vllm_engines.generate(llm) == reference["off"]
 
 
 def test_every_rank_backs_the_same_pages(llm: Any, registry_dir: Path) -> None:
-    infos = llm.collective_rpc("elastic_kv_info")
-    assert [i["rank"] for i in infos] == list(range(TP))
-    assert len({i["pid"] for i in infos}) == TP
+    vllm_engines.check_one_process_per_rank(llm, TP)
     # Without prefix caching nothing outlives its request: back to the null page and the reserve, on every
     # rank (the pool's charge is every rank's bytes on the device).
-    idle = TP * (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * pool_snapshot(registry_dir, POOL).page_bytes
-    assert wait_for(lambda: charged_bytes(registry_dir, POOL) <= idle)
-    assert wait_for(lambda: ranks_back_the_same_pages(llm))
+    idle = vllm_engines.idle_bytes(registry_dir, POOL, TP)
+    assert vllm_engines.wait_for(lambda: vllm_engines.charged_bytes(registry_dir, POOL) <= idle)
+    assert vllm_engines.wait_for(lambda: vllm_engines.ranks_back_the_same_pages(llm))
 
 
 def test_the_device_is_charged_for_every_rank(llm: Any, registry_dir: Path) -> None:
     """Both ranks back every page on the one host device: its budget is charged for both, exactly."""
-    generate(llm)
-    check_device_charged_for_every_rank(llm, registry_dir, POOL)
+    vllm_engines.generate(llm)
+    vllm_engines.check_device_charged_for_every_rank(llm, registry_dir, POOL)

@@ -250,6 +250,23 @@ def ranks_back_the_same_pages(llm: Any) -> bool:
     return len({(i["mapped_pages"], i["geometry"]) for i in llm.collective_rpc("elastic_kv_info")}) == 1
 
 
+def check_one_process_per_rank(llm: Any, world: int) -> list[dict[str, Any]]:
+    """Every rank's ``elastic_kv_info``, after checking that ``llm`` has ``world`` ranks (TP ranks or PP
+    stages), numbered from 0, each in a process of its own."""
+    infos: list[dict[str, Any]] = llm.collective_rpc("elastic_kv_info")
+    assert [i["rank"] for i in infos] == list(range(world))
+    assert len({i["pid"] for i in infos}) == world
+    return infos
+
+
+def idle_bytes(registry_dir: Path, pool: str, ranks: int) -> int:
+    """The most an idle pool backs on ``ranks`` ranks: on each, the null block's page and the minimum
+    reserve (``TEST_ENV``), at the pool's published ``page_bytes``."""
+    return (
+        ranks * (1 + int(TEST_ENV["ELASTIC_KV_RESERVE_MIN"])) * pool_snapshot(registry_dir, pool).page_bytes
+    )
+
+
 def check_device_charged_for_every_rank(llm: Any, registry_dir: Path, pool: str) -> None:
     """After a load: the one host device is charged for every rank's bytes, exactly, and the pool's
     ``mapped_bytes`` (kvctl's MAPPED) is that charge."""
