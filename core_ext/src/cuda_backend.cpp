@@ -2,46 +2,20 @@
 
 #include <algorithm>
 #include <string>
-#include <type_traits>
+
+#include "driver_vmm.hpp"
 
 namespace elastic_kv {
 
 namespace {
 
-// The subset of the CUDA driver ABI this backend uses (layouts and values from the driver API, CUDA 11.2+).
+// The CUDA driver ABI this backend uses beyond driver_vmm.hpp (layouts and values from the driver API).
 using CUresult = int;
 using CUdevice = int;
 using CUcontext = void*;
 using CUdeviceptr = unsigned long long;
 using CUmemGenericAllocationHandle = unsigned long long;
 
-struct CUmemLocation {
-  int type;
-  int id;
-};
-struct CUmemAllocationProp {
-  int type;
-  int requestedHandleTypes;
-  CUmemLocation location;
-  void* win32HandleMetaData;
-  struct {
-    unsigned char compressionType;
-    unsigned char gpuDirectRDMACapable;
-    unsigned short usage;
-    unsigned char reserved[4];
-  } allocFlags;
-};
-struct CUmemAccessDesc {
-  CUmemLocation location;
-  int flags;
-};
-
-constexpr CUresult CUDA_SUCCESS = 0;
-constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
-constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
-constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
-constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
-constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
 constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
 constexpr int kAbiVersion = 12000;  // request the CUDA 12.0 ABI of every entry point
 
@@ -50,65 +24,64 @@ using GetProcAddressV1 = CUresult (*)(const char*, void**, int, unsigned long lo
 
 }  // namespace
 
-struct CudaBackend::Api {
-  CUresult (*cuInit)(unsigned) = nullptr;
-  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
-  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
-  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
-  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuCtxSynchronize)() = nullptr;
-  CUresult (*cuMemGetInfo)(std::size_t*, std::size_t*) = nullptr;
-  CUresult (*cuMemGetAllocationGranularity)(std::size_t*, const CUmemAllocationProp*, int) = nullptr;
-  CUresult (*cuMemAddressReserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
-                                  unsigned long long) = nullptr;
-  CUresult (*cuMemAddressFree)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
-                          unsigned long long) = nullptr;
-  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*cuMemMap)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
-                       unsigned long long) = nullptr;
-  CUresult (*cuMemUnmap)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*cuMemSetAccess)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
-  CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, std::size_t) = nullptr;
-  CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+struct CudaDriver : vmm::VmmEntryPoints<CUdeviceptr, CUmemGenericAllocationHandle> {
+  vmm::EntryPoint<CUresult(unsigned)> cuInit;
+  vmm::EntryPoint<CUresult(CUdevice*, int)> cuDeviceGet;
+  vmm::EntryPoint<CUresult(int*, int, CUdevice)> cuDeviceGetAttribute;
+  vmm::EntryPoint<CUresult(CUcontext*, CUdevice)> cuDevicePrimaryCtxRetain;
+  vmm::EntryPoint<CUresult(CUdevice)> cuDevicePrimaryCtxRelease;
+  vmm::EntryPoint<CUresult(CUcontext*)> cuCtxGetCurrent;
+  vmm::EntryPoint<CUresult(CUcontext)> cuCtxPushCurrent;
+  vmm::EntryPoint<CUresult(CUcontext*)> cuCtxPopCurrent;
+  vmm::EntryPoint<CUresult(CUresult, const char**)> cuGetErrorName;
 
-  CUmemAllocationProp prop{};
-  CUmemAccessDesc access{};
+  CUdevice cu_device = 0;
+  CUcontext context = nullptr;  // the device's primary context, once retained
+
+  class Scope;
+  std::string error_name(int result) const;
 };
 
-// Makes the device's primary context current for the scope if another (or no) context is current.
-class CudaBackend::ContextScope {
+// Makes the device's primary context current for the scope if another (or no) context is current. Every
+// CUDA call needs it, whatever it does.
+class CudaDriver::Scope {
  public:
-  ContextScope(const CudaBackend& backend, const char* op) : api_(*backend.api_) {
+  Scope(const CudaDriver& driver, const char* op, vmm::Calls /*calls*/) : driver_(driver) {
     CUcontext current = nullptr;
-    backend.check(api_.cuCtxGetCurrent(&current), op, "cuCtxGetCurrent");
-    if (current != backend.context_) {
-      backend.check(api_.cuCtxPushCurrent(backend.context_), op, "cuCtxPushCurrent");
+    vmm::call(driver_, op, driver_.cuCtxGetCurrent, &current);
+    if (current != driver_.context) {
+      vmm::call(driver_, op, driver_.cuCtxPushCurrent, driver_.context);
       pushed_ = true;
     }
   }
-  ~ContextScope() {
+  ~Scope() {
     if (pushed_) {
       CUcontext popped = nullptr;
-      api_.cuCtxPopCurrent(&popped);
+      driver_.cuCtxPopCurrent(&popped);
     }
   }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
 
  private:
-  const Api& api_;
+  const CudaDriver& driver_;
   bool pushed_ = false;
 };
 
+std::string CudaDriver::error_name(int result) const {
+  const char* name = nullptr;
+  if (cuGetErrorName.fn != nullptr && cuGetErrorName(result, &name) == vmm::kSuccess && name != nullptr) {
+    return std::string(name) + " (" + std::to_string(result) + ")";
+  }
+  return "CUDA error " + std::to_string(result);
+}
+
+template class DriverBackend<CudaDriver>;
+
 CudaBackend::CudaBackend(int device, const std::string& library, std::optional<bool> multi_unmap)
-    : lib_(library), api_(std::make_unique<Api>()), device_(device) {
-  if (device < 0) throw InvalidArgument("device must be non-negative");
+    : DriverBackend(DeviceType::kCUDA, device, library) {
   auto version_fn = reinterpret_cast<CUresult (*)(int*)>(lib_.require("cuDriverGetVersion"));
-  if (version_fn(&driver_version_) != CUDA_SUCCESS) throw ConfigurationError("cuDriverGetVersion failed");
+  if (version_fn(&driver_version_) != vmm::kSuccess) throw ConfigurationError("cuDriverGetVersion failed");
   const int abi = std::min(driver_version_, kAbiVersion);
 
   auto v2 = reinterpret_cast<GetProcAddressV2>(lib_.find("cuGetProcAddress_v2"));
@@ -116,175 +89,87 @@ CudaBackend::CudaBackend(int device, const std::string& library, std::optional<b
   if (v2 == nullptr && v1 == nullptr) {
     throw ConfigurationError(library + " has no cuGetProcAddress: the CUDA driver is older than 11.3");
   }
-  auto resolve = [&](const char* symbol, auto& fn) {
+  auto resolve = [&](auto& entry, const std::string& symbol) {
     void* p = nullptr;
     int status = 0;
-    const CUresult r = v2 != nullptr ? v2(symbol, &p, abi, 0, &status) : v1(symbol, &p, abi, 0);
-    if (r != CUDA_SUCCESS || p == nullptr) {
+    const CUresult r =
+        v2 != nullptr ? v2(symbol.c_str(), &p, abi, 0, &status) : v1(symbol.c_str(), &p, abi, 0);
+    if (r != vmm::kSuccess || p == nullptr) {
       throw ConfigurationError("the CUDA driver " + std::to_string(driver_version_) + " does not provide " +
                                symbol);
     }
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    entry.name = symbol;
+    entry.fn = reinterpret_cast<decltype(entry.fn)>(p);
   };
-  Api& a = *api_;
-  resolve("cuInit", a.cuInit);
-  resolve("cuDeviceGet", a.cuDeviceGet);
-  resolve("cuDeviceGetAttribute", a.cuDeviceGetAttribute);
-  resolve("cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain);
-  resolve("cuDevicePrimaryCtxRelease", a.cuDevicePrimaryCtxRelease);
-  resolve("cuCtxGetCurrent", a.cuCtxGetCurrent);
-  resolve("cuCtxPushCurrent", a.cuCtxPushCurrent);
-  resolve("cuCtxPopCurrent", a.cuCtxPopCurrent);
-  resolve("cuCtxSynchronize", a.cuCtxSynchronize);
-  resolve("cuMemGetInfo", a.cuMemGetInfo);
-  resolve("cuMemGetAllocationGranularity", a.cuMemGetAllocationGranularity);
-  resolve("cuMemAddressReserve", a.cuMemAddressReserve);
-  resolve("cuMemAddressFree", a.cuMemAddressFree);
-  resolve("cuMemCreate", a.cuMemCreate);
-  resolve("cuMemRelease", a.cuMemRelease);
-  resolve("cuMemMap", a.cuMemMap);
-  resolve("cuMemUnmap", a.cuMemUnmap);
-  resolve("cuMemSetAccess", a.cuMemSetAccess);
-  resolve("cuMemsetD8", a.cuMemsetD8);
-  resolve("cuGetErrorName", a.cuGetErrorName);
+  CudaDriver& d = *driver_;
+  resolve(d.cuInit, "cuInit");
+  resolve(d.cuDeviceGet, "cuDeviceGet");
+  resolve(d.cuDeviceGetAttribute, "cuDeviceGetAttribute");
+  resolve(d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  resolve(d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease");
+  resolve(d.cuCtxGetCurrent, "cuCtxGetCurrent");
+  resolve(d.cuCtxPushCurrent, "cuCtxPushCurrent");
+  resolve(d.cuCtxPopCurrent, "cuCtxPopCurrent");
+  d.resolve_vmm("cu", "cuCtxSynchronize", resolve);
+  resolve(d.cuGetErrorName, "cuGetErrorName");
 
-  auto config_check = [&](CUresult r, const std::string& what) {
-    if (r != CUDA_SUCCESS) throw ConfigurationError(what + " failed: " + error_name(r));
-  };
-  config_check(a.cuInit(0), "cuInit (is there a usable NVIDIA GPU?)");
-  config_check(a.cuDeviceGet(&cu_device_, device), "cuDeviceGet(" + std::to_string(device) + ")");
-  int vmm = 0;
-  config_check(
-      a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_device_),
-      "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
-  if (vmm == 0) {
+  require(d.cuInit(0), "cuInit (is there a usable NVIDIA GPU?)");
+  require(d.cuDeviceGet(&d.cu_device, device), "cuDeviceGet(" + std::to_string(device) + ")");
+  int supported = 0;
+  require(d.cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                 d.cu_device),
+          "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+  if (supported == 0) {
     throw ConfigurationError("CUDA device " + std::to_string(device) +
                              " does not support virtual memory management (cuMemCreate/cuMemMap)");
   }
-  a.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  a.prop.location = {CU_MEM_LOCATION_TYPE_DEVICE, cu_device_};
-  a.access.location = a.prop.location;
-  a.access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  config_check(a.cuMemGetAllocationGranularity(&granularity_, &a.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-               "cuMemGetAllocationGranularity");
+  d.allocate_on(d.cu_device);
+  require(d.mem_get_allocation_granularity(&granularity_, &d.prop, vmm::kGranularityMinimum),
+          "cuMemGetAllocationGranularity");
   if (granularity_ == 0) throw ConfigurationError("the CUDA driver reports a granularity of 0");
-  config_check(a.cuDevicePrimaryCtxRetain(&context_, cu_device_), "cuDevicePrimaryCtxRetain");
+  require(d.cuDevicePrimaryCtxRetain(&d.context, d.cu_device), "cuDevicePrimaryCtxRetain");
   multi_unmap_ = multi_unmap.has_value() ? *multi_unmap : probe_multi_unmap();
 }
 
 CudaBackend::~CudaBackend() {
-  if (context_ != nullptr)
-    api_->cuDevicePrimaryCtxRelease(cu_device_);  // may be DEINITIALIZED at exit: ignore
-}
-
-std::string CudaBackend::error_name(int result) const {
-  const char* name = nullptr;
-  if (api_->cuGetErrorName != nullptr && api_->cuGetErrorName(result, &name) == CUDA_SUCCESS &&
-      name != nullptr) {
-    return std::string(name) + " (" + std::to_string(result) + ")";
-  }
-  return "CUDA error " + std::to_string(result);
-}
-
-void CudaBackend::check(int result, const char* op, const char* what) const {
-  if (result == CUDA_SUCCESS) return;
-  const std::string msg = std::string(what) + " failed: " + error_name(result);
-  if (result == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(op, result, msg);
-  throw DriverError(op, result, msg);
+  if (driver_->context != nullptr)
+    driver_->cuDevicePrimaryCtxRelease(driver_->cu_device);  // may be DEINITIALIZED at exit: ignore
 }
 
 bool CudaBackend::probe_multi_unmap() noexcept {
   // Two adjacent mappings, one cuMemUnmap over both; then prove both ranges are free by mapping them again
   // crosswise. Raw driver calls: the probe must not show up in the counters.
   try {
-    ContextScope scope(*this, "probe");
-    const Api& a = *api_;
+    const CudaDriver& a = *driver_;
+    const CudaDriver::Scope scope(a, "probe", vmm::Calls::kTables);
     const std::size_t g = granularity_;
     CUdeviceptr va = 0;
-    if (a.cuMemAddressReserve(&va, 2 * g, g, 0, 0) != CUDA_SUCCESS) return false;
+    if (a.mem_address_reserve(&va, 2 * g, g, 0, 0) != vmm::kSuccess) return false;
     CUmemGenericAllocationHandle h[2] = {0, 0};
-    bool ok = a.cuMemCreate(&h[0], g, &a.prop, 0) == CUDA_SUCCESS &&
-              a.cuMemCreate(&h[1], g, &a.prop, 0) == CUDA_SUCCESS;
+    bool ok = a.mem_create(&h[0], g, &a.prop, 0) == vmm::kSuccess &&
+              a.mem_create(&h[1], g, &a.prop, 0) == vmm::kSuccess;
     bool mapped[2] = {false, false};
     if (ok) {
-      mapped[0] = a.cuMemMap(va, g, 0, h[0], 0) == CUDA_SUCCESS;
-      mapped[1] = a.cuMemMap(va + g, g, 0, h[1], 0) == CUDA_SUCCESS;
-      ok = mapped[0] && mapped[1] && a.cuMemUnmap(va, 2 * g) == CUDA_SUCCESS;
+      mapped[0] = a.mem_map(va, g, 0, h[0], 0) == vmm::kSuccess;
+      mapped[1] = a.mem_map(va + g, g, 0, h[1], 0) == vmm::kSuccess;
+      ok = mapped[0] && mapped[1] && a.mem_unmap(va, 2 * g) == vmm::kSuccess;
       if (ok) {
-        mapped[1] = a.cuMemMap(va + g, g, 0, h[0], 0) == CUDA_SUCCESS;
-        mapped[0] = a.cuMemMap(va, g, 0, h[1], 0) == CUDA_SUCCESS;
+        mapped[1] = a.mem_map(va + g, g, 0, h[0], 0) == vmm::kSuccess;
+        mapped[0] = a.mem_map(va, g, 0, h[1], 0) == vmm::kSuccess;
         ok = mapped[0] && mapped[1];
       }
     }
     for (int i = 0; i < 2; ++i) {
-      if (mapped[i]) a.cuMemUnmap(va + i * g, g);
+      if (mapped[i]) a.mem_unmap(va + i * g, g);
     }
     for (auto handle : h) {
-      if (handle != 0) a.cuMemRelease(handle);
+      if (handle != 0) a.mem_release(handle);
     }
-    a.cuMemAddressFree(va, 2 * g);
+    a.mem_address_free(va, 2 * g);
     return ok;
   } catch (...) {
     return false;
   }
-}
-
-VAddr CudaBackend::do_reserve(std::size_t size, std::size_t alignment) {
-  ContextScope scope(*this, "reserve");
-  CUdeviceptr va = 0;
-  check(api_->cuMemAddressReserve(&va, size, alignment, 0, 0), "reserve", "cuMemAddressReserve");
-  return va;
-}
-
-void CudaBackend::do_free_va(VAddr va, std::size_t size) {
-  ContextScope scope(*this, "free_va");
-  check(api_->cuMemAddressFree(va, size), "free_va", "cuMemAddressFree");
-}
-
-HandleId CudaBackend::do_create(std::size_t size) {
-  ContextScope scope(*this, "create");
-  CUmemGenericAllocationHandle h = 0;
-  check(api_->cuMemCreate(&h, size, &api_->prop, 0), "create", "cuMemCreate");
-  return h;
-}
-
-void CudaBackend::do_release(HandleId handle, std::size_t /*size*/) {
-  ContextScope scope(*this, "release");
-  check(api_->cuMemRelease(handle), "release", "cuMemRelease");
-}
-
-void CudaBackend::do_map(VAddr va, std::size_t size, HandleId handle) {
-  ContextScope scope(*this, "map");
-  check(api_->cuMemMap(va, size, 0, handle, 0), "map", "cuMemMap");
-}
-
-void CudaBackend::do_unmap(VAddr va, std::size_t size) {
-  ContextScope scope(*this, "unmap");
-  check(api_->cuMemUnmap(va, size), "unmap", "cuMemUnmap");
-}
-
-void CudaBackend::do_set_access(VAddr va, std::size_t size) {
-  ContextScope scope(*this, "set_access");
-  check(api_->cuMemSetAccess(va, size, &api_->access, 1), "set_access", "cuMemSetAccess");
-}
-
-void CudaBackend::do_fill_zero(VAddr va, std::size_t size) {
-  ContextScope scope(*this, "fill_zero");
-  check(api_->cuMemsetD8(va, 0, size), "fill_zero", "cuMemsetD8");
-  check(api_->cuCtxSynchronize(), "fill_zero", "cuCtxSynchronize");
-}
-
-MemInfo CudaBackend::do_mem_info() {
-  ContextScope scope(*this, "mem_info");
-  std::size_t free = 0;
-  std::size_t total = 0;
-  check(api_->cuMemGetInfo(&free, &total), "mem_info", "cuMemGetInfo");
-  return {free, total};
-}
-
-void CudaBackend::do_synchronize() {
-  ContextScope scope(*this, "synchronize");
-  check(api_->cuCtxSynchronize(), "synchronize", "cuCtxSynchronize");
 }
 
 }  // namespace elastic_kv

@@ -200,65 +200,51 @@ SpaceGroup::Delta SpaceGroup::delta_of(const std::vector<std::uint32_t>& pages) 
   return d;
 }
 
-void SpaceGroup::back_units(const std::vector<std::uint32_t>& units, const std::vector<HandleId>& ids) {
-  std::vector<std::pair<std::uint32_t, std::vector<TensorSpace::UnitSpan>>> done;
-  for (std::size_t i = 0; i < units.size();) {
-    const std::uint32_t sp = units_[units[i]].space;
-    std::vector<TensorSpace::UnitSpan> spans;
-    std::vector<HandleId> sub;
-    for (; i < units.size() && units_[units[i]].space == sp; ++i) {
-      spans.push_back({units_[units[i]].start, units_[units[i]].nslots});
-      sub.push_back(ids[i]);
-    }
-    try {
-      spaces_[sp]->back(spans, sub);
-    } catch (...) {
-      const auto original = std::current_exception();
-      if (!spaces_[sp]->consistent())
-        mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
-      for (auto it = done.rbegin(); it != done.rend(); ++it) {
-        try {
-          spaces_[it->first]->unback(it->second);
-        } catch (const std::exception& e) {
-          mark_inconsistent(std::string("rolling back a partial map failed: ") + e.what());
-        }
-      }
-      if (!consistent_) throw StateInconsistent("the SpaceGroup is inconsistent: " + error_);
-      std::rethrow_exception(original);
-    }
-    done.emplace_back(sp, std::move(spans));
-  }
-}
-
-void SpaceGroup::unback_units(const std::vector<std::uint32_t>& units) {
-  std::vector<std::pair<std::uint32_t, std::vector<TensorSpace::UnitSpan>>> done;
-  std::vector<std::vector<HandleId>> done_ids;
-  for (std::size_t i = 0; i < units.size();) {
-    const std::uint32_t sp = units_[units[i]].space;
+void SpaceGroup::swap_units(const std::vector<std::uint32_t>& units, const std::vector<HandleId>* ids) {
+  // One batch per run of units in the same space: their spans and handles (the new ones when backing, the
+  // current ones when unbacking, so that a rollback can back them again).
+  struct Batch {
+    std::uint32_t space;
     std::vector<TensorSpace::UnitSpan> spans;
     std::vector<HandleId> ids;
-    for (; i < units.size() && units_[units[i]].space == sp; ++i) {
-      spans.push_back({units_[units[i]].start, units_[units[i]].nslots});
-      ids.push_back(units_[units[i]].handle.id());
+  };
+  const bool backing = ids != nullptr;
+  std::vector<Batch> done;
+  for (std::size_t i = 0; i < units.size();) {
+    Batch batch{units_[units[i]].space, {}, {}};
+    for (; i < units.size() && units_[units[i]].space == batch.space; ++i) {
+      const Unit& u = units_[units[i]];
+      batch.spans.push_back({u.start, u.nslots});
+      batch.ids.push_back(backing ? (*ids)[i] : u.handle.id());
     }
+    TensorSpace& space = *spaces_[batch.space];
     try {
-      spaces_[sp]->unback(spans);
+      if (backing) {
+        space.back(batch.spans, batch.ids);
+      } else {
+        space.unback(batch.spans);
+      }
     } catch (...) {
       const auto original = std::current_exception();
-      if (!spaces_[sp]->consistent())
-        mark_inconsistent("space " + std::to_string(sp) + ": " + spaces_[sp]->error());
-      for (std::size_t k = done.size(); k-- > 0;) {
+      if (!space.consistent())
+        mark_inconsistent("space " + std::to_string(batch.space) + ": " + space.error());
+      for (auto it = done.rbegin(); it != done.rend(); ++it) {
         try {
-          spaces_[done[k].first]->back(done[k].second, done_ids[k]);
+          if (backing) {
+            spaces_[it->space]->unback(it->spans);
+          } else {
+            spaces_[it->space]->back(it->spans, it->ids);
+          }
         } catch (const std::exception& e) {
-          mark_inconsistent(std::string("rolling back a partial unmap failed: ") + e.what());
+          mark_inconsistent(std::string(backing ? "rolling back a partial map failed: "
+                                                : "rolling back a partial unmap failed: ") +
+                            e.what());
         }
       }
       if (!consistent_) throw StateInconsistent("the SpaceGroup is inconsistent: " + error_);
       std::rethrow_exception(original);
     }
-    done.emplace_back(sp, std::move(spans));
-    done_ids.push_back(std::move(ids));
+    done.push_back(std::move(batch));
   }
 }
 

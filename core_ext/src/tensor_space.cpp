@@ -224,60 +224,35 @@ void TensorSpace::hole_to_handle(std::uint32_t start, HandleId handle) {
   m.kind = Kind::kHandle;
 }
 
-bool TensorSpace::restore_zero(std::uint32_t start) noexcept {
+bool TensorSpace::restore(std::uint32_t start, Kind kind) noexcept {
   Mapping& m = maps_[start];
-  if (m.kind == Kind::kZero) return true;
+  if (m.kind == kind) return true;
   if (m.kind != Kind::kHole) return false;
   try {
-    hole_to_zero(start);
+    if (kind == Kind::kZero) {
+      hole_to_zero(start);
+    } else {
+      hole_to_handle(start, m.handle);
+    }
     return true;
   } catch (...) {
-    if (m.kind == Kind::kHole) quarantine(start, "could not restore the zero page (the slot is unmapped)");
+    if (m.kind == Kind::kHole) {
+      quarantine(start, kind == Kind::kZero ? "could not restore the zero page (the slot is unmapped)"
+                                            : "could not restore the handle (the slot is unmapped)");
+    }
     return false;
   }
 }
 
-bool TensorSpace::restore_handle(std::uint32_t start, HandleId handle) noexcept {
-  Mapping& m = maps_[start];
-  if (m.kind == Kind::kHandle) return true;
-  if (m.kind != Kind::kHole) return false;
+void TensorSpace::remap(const UnitSpan& u, Kind kind, const char* why) noexcept {
   try {
-    hole_to_handle(start, handle);
-    return true;
+    backend_->unmap(addr(u.start), bytes(u.nslots));
+    maps_[u.start].kind = Kind::kHole;
   } catch (...) {
-    if (m.kind == Kind::kHole) quarantine(start, "could not restore the handle (the slot is unmapped)");
-    return false;
+    quarantine(u.start, why);
+    return;
   }
-}
-
-void TensorSpace::undo_backed(const std::vector<UnitSpan>& units,
-                              const std::vector<std::size_t>& done) noexcept {
-  for (auto it = done.rbegin(); it != done.rend(); ++it) {
-    const UnitSpan& u = units[*it];
-    try {
-      backend_->unmap(addr(u.start), bytes(u.nslots));
-      maps_[u.start].kind = Kind::kHole;
-    } catch (...) {
-      quarantine(u.start, "rollback could not unmap the handle");
-      continue;
-    }
-    restore_zero(u.start);
-  }
-}
-
-void TensorSpace::undo_unbacked(const std::vector<UnitSpan>& units,
-                                const std::vector<std::size_t>& done) noexcept {
-  for (auto it = done.rbegin(); it != done.rend(); ++it) {
-    const UnitSpan& u = units[*it];
-    try {
-      backend_->unmap(addr(u.start), bytes(u.nslots));
-      maps_[u.start].kind = Kind::kHole;
-    } catch (...) {
-      quarantine(u.start, "rollback could not unmap the zero page");
-      continue;
-    }
-    restore_handle(u.start, maps_[u.start].handle);
-  }
+  restore(u.start, kind);
 }
 
 void TensorSpace::tile_zero(const std::vector<UnitSpan>& units) {
@@ -311,7 +286,7 @@ void TensorSpace::tile_zero(const std::vector<UnitSpan>& units) {
           backend_->unmap(addr(h), bytes(maps_[h].nslots));
         } catch (...) {
           const auto original = std::current_exception();
-          for (std::size_t j = 0; j < i; ++j) restore_zero(old_heads[j]);
+          for (std::size_t j = 0; j < i; ++j) restore(old_heads[j], Kind::kZero);
           rethrow_after_rollback(original);
         }
         maps_[h].kind = Kind::kHole;
@@ -340,7 +315,7 @@ void TensorSpace::tile_zero(const std::vector<UnitSpan>& units) {
         hole_to_zero(new_heads[i]);
       } catch (...) {
         const auto original = std::current_exception();
-        for (std::size_t j = i; j < new_heads.size(); ++j) restore_zero(new_heads[j]);
+        for (std::size_t j = i; j < new_heads.size(); ++j) restore(new_heads[j], Kind::kZero);
         rethrow_after_rollback(original);
       }
     }
@@ -365,9 +340,14 @@ void TensorSpace::swap_units(const std::vector<UnitSpan>& units, const std::vect
   // unmapped in one call where the backend allows it, then every unit of the run is refilled; any failure
   // restores the run's remaining holes and undoes the units already swapped, so the call is all or nothing.
   const bool backing = handles != nullptr;
+  const Kind before = backing ? Kind::kZero : Kind::kHandle;
   std::vector<std::size_t> done;
   done.reserve(units.size());
-  const auto undo = [&]() noexcept { backing ? undo_backed(units, done) : undo_unbacked(units, done); };
+  const auto undo = [&]() noexcept {  // the units already swapped return to `before`, last first
+    const char* why =
+        backing ? "rollback could not unmap the handle" : "rollback could not unmap the zero page";
+    for (auto it = done.rbegin(); it != done.rend(); ++it) remap(units[*it], before, why);
+  };
   for (const auto& [first, last] : runs(units)) {
     try {
       unmap_run(units, first, last);
@@ -385,14 +365,7 @@ void TensorSpace::swap_units(const std::vector<UnitSpan>& units, const std::vect
         }
       } catch (...) {
         const auto original = std::current_exception();
-        for (std::size_t j = i; j <= last; ++j) {
-          const std::uint32_t start = units[j].start;
-          if (backing) {
-            restore_zero(start);
-          } else {
-            restore_handle(start, maps_[start].handle);
-          }
-        }
+        for (std::size_t j = i; j <= last; ++j) restore(units[j].start, before);
         undo();
         rethrow_after_rollback(original);
       }
@@ -430,14 +403,7 @@ void TensorSpace::unback_best_effort(const std::vector<UnitSpan>& units) noexcep
         maps_[u.start].kind != Kind::kHandle) {
       continue;
     }
-    try {
-      backend_->unmap(addr(u.start), bytes(u.nslots));
-      maps_[u.start].kind = Kind::kHole;
-    } catch (...) {
-      quarantine(u.start, "shutdown could not unmap the handle");
-      continue;
-    }
-    restore_zero(u.start);
+    remap(u, Kind::kZero, "shutdown could not unmap the handle");
   }
 }
 

@@ -4,8 +4,9 @@
 // on machines without a driver -- including the CPU machines where every test runs. So the backend dlopen()s
 // "libcuda.so.1" and resolves each entry point with cuGetProcAddress, asking for the ABI of CUDA 12.0 (or of
 // the driver, if older), so that versioned symbols (cuMemGetInfo_v2, cuCtxPushCurrent_v2, ...) resolve to the
-// signatures declared in cuda_backend.cpp. No cuda.h is needed: the few types and enum values used are
-// declared there by hand from the driver ABI.
+// signatures declared in cuda_backend.cpp and src/driver_vmm.hpp. No cuda.h is needed: the few types and enum
+// values used are declared there by hand from the driver ABI. The backend operations are DriverBackend's
+// (driver_backend.hpp), shared with HipBackend; this class loads and sets up the driver.
 //
 // Errors: a missing library, entry point, device or VMM support is a ConfigurationError at construction.
 // CUDA_ERROR_OUT_OF_MEMORY from cuMemCreate *or* cuMemMap becomes OutOfMemory; any other code becomes a
@@ -23,55 +24,28 @@
 // The library is never unloaded (see dynlib.hpp); the primary context is released in the destructor.
 #pragma once
 
-#include <memory>
 #include <optional>
 #include <string>
 
-#include "elastic_kv/backend.hpp"
-#include "elastic_kv/dynlib.hpp"
+#include "elastic_kv/driver_backend.hpp"
 
 namespace elastic_kv {
 
-class CudaBackend final : public Backend {
+struct CudaDriver;  // the resolved entry points and the primary context (defined in cuda_backend.cpp)
+extern template class DriverBackend<CudaDriver>;
+
+class CudaBackend final : public DriverBackend<CudaDriver> {
  public:
   // `multi_unmap`: nullopt = probe the driver; true/false = force.
   CudaBackend(int device, const std::string& library, std::optional<bool> multi_unmap);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
-  Device device() const noexcept override { return {DeviceType::kCUDA, device_}; }
-  std::size_t granularity() const noexcept override { return granularity_; }
-  bool multi_unmap() const noexcept override { return multi_unmap_; }
   int driver_version() const noexcept { return driver_version_; }
 
-  struct Api;  // resolved entry points (defined in cuda_backend.cpp)
-
- protected:
-  VAddr do_reserve(std::size_t size, std::size_t alignment) override;
-  void do_free_va(VAddr va, std::size_t size) override;
-  HandleId do_create(std::size_t size) override;
-  void do_release(HandleId handle, std::size_t size) override;
-  void do_map(VAddr va, std::size_t size, HandleId handle) override;
-  void do_unmap(VAddr va, std::size_t size) override;
-  void do_set_access(VAddr va, std::size_t size) override;
-  void do_fill_zero(VAddr va, std::size_t size) override;
-  MemInfo do_mem_info() override;
-  void do_synchronize() override;
-
  private:
-  class ContextScope;
-  // Throws OutOfMemory/DriverError for a failed call `what` of backend operation `op`.
-  void check(int result, const char* op, const char* what) const;
-  std::string error_name(int result) const;
   bool probe_multi_unmap() noexcept;
 
-  SharedLibrary lib_;
-  std::unique_ptr<Api> api_;
-  int device_;
-  int cu_device_ = 0;
-  void* context_ = nullptr;
-  std::size_t granularity_ = 0;
-  bool multi_unmap_ = false;
   int driver_version_ = 0;
 };
 

@@ -154,8 +154,12 @@ class SpaceGroup {
   void record_outcome(std::int64_t tx, Outcome outcome);
 
   // Physical steps over a list of unit indices, per space, all-or-nothing across spaces.
-  void back_units(const std::vector<std::uint32_t>& units, const std::vector<HandleId>& ids);
-  void unback_units(const std::vector<std::uint32_t>& units);
+  void back_units(const std::vector<std::uint32_t>& units, const std::vector<HandleId>& ids) {
+    swap_units(units, &ids);
+  }
+  void unback_units(const std::vector<std::uint32_t>& units) { swap_units(units, nullptr); }
+  // The body of both: backs units with `ids` (one per unit), or unbacks them (nullptr).
+  void swap_units(const std::vector<std::uint32_t>& units, const std::vector<HandleId>* ids);
   // Moves handles of quarantined units into quarantine_ after a failed rollback.
   void collect_quarantined(const std::vector<std::uint32_t>& units,
                            std::vector<std::pair<std::uint32_t, PhysicalHandle>>* loose) noexcept;

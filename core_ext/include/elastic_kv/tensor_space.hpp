@@ -119,12 +119,11 @@ class TensorSpace {
   // Maps `handle` over the hole at `start` and grants access; if access fails, unmaps it again (quarantining
   // the unit, named by `what` in the reason, when that fails too) and rethrows.
   void map_accessible(std::uint32_t start, HandleId handle, const char* what);
-  // Rollback helpers: never throw; a failure quarantines the unit and returns false.
-  bool restore_zero(std::uint32_t start) noexcept;
-  bool restore_handle(std::uint32_t start, HandleId handle) noexcept;
-  // Undo of a partial back()/unback(): the listed units return to zero / to their handles.
-  void undo_backed(const std::vector<UnitSpan>& units, const std::vector<std::size_t>& done) noexcept;
-  void undo_unbacked(const std::vector<UnitSpan>& units, const std::vector<std::size_t>& done) noexcept;
+  // Rollback helpers: never throw; a failure quarantines the unit (and restore() returns false).
+  // Refills the hole at `start` with `kind`: kZero its zero page, kHandle the handle last mapped there.
+  bool restore(std::uint32_t start, Kind kind) noexcept;
+  // Unmaps the unit `u`, then restores it to `kind`; a failed unmap quarantines it, `why` the reason.
+  void remap(const UnitSpan& u, Kind kind, const char* why) noexcept;
   void quarantine(std::uint32_t start, const std::string& why) noexcept;
   // Rethrows `original` if the space is still consistent, else throws StateInconsistent naming both.
   [[noreturn]] void rethrow_after_rollback(const std::exception_ptr& original) const;
