@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "locked.hpp"
+
 namespace elastic_kv {
 
 HandlePool::HandlePool(std::shared_ptr<Backend> backend, std::size_t max_cached_bytes)
@@ -114,25 +116,13 @@ void HandlePool::set_max_cached_bytes(std::size_t bytes) noexcept {
   trim(bytes);
 }
 
-std::size_t HandlePool::cached_handles() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return cached_count_;
-}
+std::size_t HandlePool::cached_handles() const { return read_locked(mu_, cached_count_); }
 
-std::size_t HandlePool::cached_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return cached_bytes_;
-}
+std::size_t HandlePool::cached_bytes() const { return read_locked(mu_, cached_bytes_); }
 
-std::size_t HandlePool::hits() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return hits_;
-}
+std::size_t HandlePool::hits() const { return read_locked(mu_, hits_); }
 
-std::size_t HandlePool::misses() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return misses_;
-}
+std::size_t HandlePool::misses() const { return read_locked(mu_, misses_); }
 
 std::size_t HandlePool::failed_releases() const {
   std::lock_guard<std::mutex> lock(mu_);

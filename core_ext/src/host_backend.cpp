@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "locked.hpp"
+
 namespace elastic_kv {
 
 namespace {
@@ -61,10 +63,7 @@ void HostBackend::reject(const char* op, const std::string& why) {
   throw DriverError(op, EINVAL, std::string("host backend: ") + op + ": " + why);
 }
 
-std::size_t HostBackend::resident_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return resident_;
-}
+std::size_t HostBackend::resident_bytes() const { return read_locked(mu_, resident_); }
 
 std::map<VAddr, std::size_t>::const_iterator HostBackend::find_reservation(VAddr va, std::size_t size) const {
   auto it = reservations_.upper_bound(va);

@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include "locked.hpp"
+
 namespace elastic_kv {
 
 namespace {
@@ -458,15 +460,9 @@ std::vector<std::int64_t> SpaceGroup::mapped_pages() const {
   return out;
 }
 
-std::size_t SpaceGroup::num_mapped() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return num_mapped_;
-}
+std::size_t SpaceGroup::num_mapped() const { return read_locked(mu_, num_mapped_); }
 
-std::size_t SpaceGroup::mapped_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return mapped_bytes_;
-}
+std::size_t SpaceGroup::mapped_bytes() const { return read_locked(mu_, mapped_bytes_); }
 
 std::size_t SpaceGroup::held_handles() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -492,19 +488,10 @@ std::vector<UnitInfo> SpaceGroup::page_units(std::int64_t page) const {
   return out;
 }
 
-bool SpaceGroup::consistent() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return consistent_;
-}
+bool SpaceGroup::consistent() const { return read_locked(mu_, consistent_); }
 
-std::string SpaceGroup::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
-}
+std::string SpaceGroup::error() const { return read_locked(mu_, error_); }
 
-bool SpaceGroup::closed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return closed_;
-}
+bool SpaceGroup::closed() const { return read_locked(mu_, closed_); }
 
 }  // namespace elastic_kv

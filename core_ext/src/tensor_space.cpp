@@ -4,6 +4,8 @@
 #include <string>
 #include <utility>
 
+#include "locked.hpp"
+
 namespace elastic_kv {
 
 namespace {
@@ -112,15 +114,9 @@ SlotState TensorSpace::slot_state(std::size_t slot) const {
   }
 }
 
-bool TensorSpace::consistent() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return consistent_;
-}
+bool TensorSpace::consistent() const { return read_locked(mu_, consistent_); }
 
-std::string TensorSpace::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
-}
+std::string TensorSpace::error() const { return read_locked(mu_, error_); }
 
 std::size_t TensorSpace::quarantined_units() const {
   std::lock_guard<std::mutex> lock(mu_);
