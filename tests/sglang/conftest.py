@@ -44,15 +44,23 @@ def registry_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def plugin_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
-    """The plugin's environment for pools built in this process by a unit test: elastic, ``UNIT_SLOT``
-    pages, a private registry in the test's temporary directory, and no reserve kept, refilled or mapped
-    ahead, so mapped bytes follow the blocks exactly. Modules add their own settings on top."""
+def elastic_pool_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    """The plugin's environment for pools built in this process by a test, on any backend: elastic, a
+    private registry in the test's temporary directory, and no reserve kept (the data plane's own page
+    size, as a GPU test needs)."""
     tmp_path.chmod(0o700)
     monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_PAGE_SIZE", str(UNIT_SLOT))
     monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
     monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
     monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_PREMAP", "0")
     return monkeypatch
+
+
+@pytest.fixture
+def plugin_env(elastic_pool_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The plugin's environment for pools built in this process by a unit test: ``elastic_pool_env`` with
+    ``UNIT_SLOT`` pages and no reserve refilled or mapped ahead either, so mapped bytes follow the blocks
+    exactly. Modules add their own settings on top."""
+    elastic_pool_env.setenv("ELASTIC_KV_PAGE_SIZE", str(UNIT_SLOT))
+    elastic_pool_env.setenv("ELASTIC_KV_PREMAP", "0")
+    return elastic_pool_env

@@ -7,8 +7,6 @@ keeps an emptied page mapped until its epoch is released."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,15 +16,11 @@ sglang = pytest.importorskip("sglang")
 H, D, LAYERS = 8, 128, 4
 
 
-def test_cuda_pool_roundtrip_and_deferred_release(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("elastic_pool_env")
+def test_cuda_pool_roundtrip_and_deferred_release() -> None:
     from sglang_elastic_kv.allocator.paged import ElasticPagedTokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
 
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
     pool = ElasticMHATokenToKVPool(65536, 16, torch.bfloat16, H, D, LAYERS, "cuda", False)
     assert pool.k_buffer[0].is_cuda
     alloc = ElasticPagedTokenToKVPoolAllocator(65536, 16, torch.bfloat16, "cuda", pool, False)
@@ -57,20 +51,14 @@ def test_cuda_pool_roundtrip_and_deferred_release(monkeypatch: pytest.MonkeyPatc
     pool.elastic.close()
 
 
-def test_cuda_mamba_state_pool_fused_slot_ops_and_deferred_release(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.mark.usefixtures("elastic_pool_env")
+def test_cuda_mamba_state_pool_fused_slot_ops_and_deferred_release() -> None:
     """The state super-cell on a GPU: bf16 conv states take SGLang's fused slot kernels (clear / copy),
     which must describe the elastic tensors (not the one-slot tensors SGLang's constructor built first),
     and a freed slot's page stays mapped until the step that may still read it has finished."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang_elastic_kv.mamba import ElasticHybridReqToTokenPool
 
-    tmp_path.chmod(0o700)
-    monkeypatch.setenv("ELASTIC_KV_SGLANG_BACKEND", "elastic")
-    monkeypatch.setenv("ELASTIC_KV_REGISTRY_DIR", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MAX", "0")
-    monkeypatch.setenv("ELASTIC_KV_RESERVE_MIN", "0")
     shape = Mamba2StateShape.create(
         tp_world_size=1, intermediate_size=4096, n_groups=16, num_heads=32, head_dim=128, state_size=128,
         conv_kernel=4,
