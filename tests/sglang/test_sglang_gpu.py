@@ -7,13 +7,31 @@ keeps an emptied page mapped until its epoch is released."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from elastic_kv.ledger import Ledger
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 sglang = pytest.importorskip("sglang")
 
 H, D, LAYERS = 8, 128, 4
+
+
+def _assert_frees_wait_a_step(
+    ledger: Ledger, begin: Callable[[], None], end: Callable[[], None], free: Callable[[], None]
+) -> None:
+    """Pages that ``free()`` empties within a step (``begin()`` ... ``end()``) stay backed and charged when
+    the step ends: the GPU work of that step may still read them. The next step's end releases them."""
+    charged = ledger.charged_bytes
+    begin()
+    free()
+    end()
+    assert ledger.charged_bytes == charged  # deferred: pages still backed
+    begin()
+    end()
+    assert ledger.charged_bytes < charged
 
 
 @pytest.mark.usefixtures("elastic_pool_env")
@@ -38,14 +56,8 @@ def test_cuda_pool_roundtrip_and_deferred_release() -> None:
     assert torch.equal(got_k[slots], k) and torch.equal(got_v[slots], v)
 
     ledger = pool.elastic.ledger
-    charged = ledger.charged_bytes
-    alloc.free_group_begin()  # a step: its frees wait for the next group's end (GPU work in flight)
-    alloc.free(slots)
-    alloc.free_group_end()
-    assert ledger.charged_bytes == charged  # deferred: pages still backed
-    alloc.free_group_begin()
-    alloc.free_group_end()
-    assert ledger.charged_bytes < charged
+    # A step is SGLang's free group: its frees wait for the next group's end (GPU work in flight).
+    _assert_frees_wait_a_step(ledger, alloc.free_group_begin, alloc.free_group_end, lambda: alloc.free(slots))
     alloc.clear()
     assert ledger.snapshot().mapped_pages == 1
     pool.elastic.close()
@@ -86,14 +98,9 @@ def test_cuda_mamba_state_pool_fused_slot_ops_and_deferred_release() -> None:
         assert bool((t[:, dst] == 3).all()) and bool((t[:, src] == 0).all())
 
     ledger = mamba.elastic.ledger
-    charged = ledger.charged_bytes
-    alloc.elastic_step_begin()
-    alloc.free(slots)
-    alloc.elastic_step_end()
-    assert ledger.charged_bytes == charged  # deferred: the step that read them may still run
-    alloc.elastic_step_begin()
-    alloc.elastic_step_end()
-    assert ledger.charged_bytes < charged
+    _assert_frees_wait_a_step(
+        ledger, alloc.elastic_step_begin, alloc.elastic_step_end, lambda: alloc.free(slots)
+    )
     pool.clear()
     assert ledger.snapshot().mapped_pages == 1
     mamba.elastic.close()
