@@ -103,6 +103,7 @@ def summarize(
             row["prism_attainment"] = r(sum(_attains(o, prism) for o in mine) / len(mine))
         per_model[model] = row
     prism_good = None if prism is None else sum(_attains(o, prism) for o in outcomes)
+    late = [(o["ttft_s"] > slo.ttft_s, o["tpot_s"] > slo.tpot_s) for o in done]
     return {
         "requests": n,
         "completed": len(done),
@@ -120,6 +121,14 @@ def summarize(
         "tpot_p50_s": r(_pct(tpot, 50), 5),
         "tpot_p99_s": r(_pct(tpot, 99), 5),
         "prism_attainment": None if prism_good is None else r(prism_good / n if n else 0.0),
+        # why the requests that did not attain the SLO missed it: only their first token was late, only
+        # their decoding, both, or they failed
+        "misses": {
+            "ttft": sum(t and not p for t, p in late),
+            "tpot": sum(p and not t for t, p in late),
+            "both": sum(t and p for t, p in late),
+            "failed": n - len(done),
+        },
         "per_model": per_model,
     }
 
@@ -213,6 +222,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                 f"{format_bytes(int(run.get('peak_kv_bytes', 0)))} |"
             )
         lines.append("")
+        lines += _misses_lines(setups, f"{load:g}")
         lines += _demand_line(setups.get("sleep", {}), f"{load:g}", results.get("alone"))
         lines += _per_model_table(setups, f"{load:g}")
     names = list(setups)
@@ -242,6 +252,19 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     if plots:
         lines += ["", "KV memory per model over time: " + ", ".join(f"`{p}`" for p in plots)]
     return "\n".join(lines) + "\n"
+
+
+def _misses_lines(setups: Mapping[str, Any], key: str) -> list[str]:
+    """Per set-up, why its requests missed the SLO (results written before ``misses`` have none)."""
+    lines = []
+    for name, setup in setups.items():
+        misses = setup.get("loads", {}).get(key, {}).get("metrics", {}).get("misses")
+        if misses and any(misses.values()):
+            lines.append(
+                f"* {name} missed the SLO: {misses['ttft']} by TTFT only, {misses['tpot']} by TPOT only, "
+                f"{misses['both']} by both, {misses['failed']} failed"
+            )
+    return [*lines, ""] if lines else []
 
 
 def _demand_line(setup: Mapping[str, Any], key: str, alone: Mapping[str, Any] | None) -> list[str]:

@@ -45,16 +45,18 @@ def test_attainment_goodput_and_percentiles() -> None:
         _row(3, "b", 1.0, 0.05),  # both exactly at the targets: attains
         _row(4, "b", None, None, "HTTP 503: engine restarting"),
         _row(5, "c", None, None, "not served"),
+        _row(6, "c", 2.0, 0.07),  # both too long
     ]
     m = summarize(rows, Slo(ttft_s=1.0, tpot_s=0.05), span_s=4.0)
-    assert m["requests"] == 6 and m["completed"] == 4 and m["failed"] == 2
-    assert m["slo_attainment"] == pytest.approx(2 / 6, abs=1e-4)
+    assert m["requests"] == 7 and m["completed"] == 5 and m["failed"] == 2
+    assert m["slo_attainment"] == pytest.approx(2 / 7, abs=1e-4)
+    assert m["misses"] == {"ttft": 1, "tpot": 1, "both": 1, "failed": 2}
     assert m["goodput_rps"] == pytest.approx(0.5) and m["goodput_tok_s"] == pytest.approx(50.0)
     assert m["errors"] == {"HTTP 503": 1, "not served": 1}
-    assert m["served"] == ["a", "b"] and m["models_served"] == 2
-    assert m["ttft_p50_s"] == 0.5 and m["ttft_p99_s"] == 1.5
-    assert m["tpot_p50_s"] == 0.02 and m["tpot_p99_s"] == 0.06
-    assert m["makespan_s"] == pytest.approx(3 + 1.0 + 99 * 0.05, abs=0.01)
+    assert m["served"] == ["a", "b", "c"] and m["models_served"] == 3
+    assert m["ttft_p50_s"] == 1.0 and m["ttft_p99_s"] == 2.0
+    assert m["tpot_p50_s"] == 0.05 and m["tpot_p99_s"] == 0.07
+    assert m["makespan_s"] == pytest.approx(6 + 2.0 + 99 * 0.07, abs=0.01)
 
 
 def test_no_completed_request_gives_zero_attainment_and_no_percentiles() -> None:
@@ -63,7 +65,8 @@ def test_no_completed_request_gives_zero_attainment_and_no_percentiles() -> None
 
 
 def test_markdown_states_slo_and_curve() -> None:
-    metrics = summarize([_row(0, "m0", 0.1, 0.01)], Slo(1.0, 0.05), span_s=1.0)
+    rows = [_row(0, "m0", 0.1, 0.01), _row(1, "m0", 3.0, 0.01), _row(2, "m0", 0.1, 0.2)]
+    metrics = summarize(rows, Slo(1.0, 0.05), span_s=1.0)
     results = {
         "device": "cpu",
         "models": 2,
@@ -77,8 +80,9 @@ def test_markdown_states_slo_and_curve() -> None:
     }
     text = render_markdown(results)
     assert "TTFT <= 1 s and TPOT <= 50 ms" in text
-    assert "| static | 100.0 % |" in text and "1 of 2" in text
-    assert "## SLO attainment by load" in text and "| 1 | 100.0 % | - |" in text
+    assert "| static | 33.3 % |" in text and "1 of 2" in text
+    assert "* static missed the SLO: 1 by TTFT only, 1 by TPOT only, 0 by both, 0 failed" in text
+    assert "## SLO attainment by load" in text and "| 1 | 33.3 % | - |" in text
     assert "skipped: elastic-kv serve is not installed" in text
 
 
@@ -136,6 +140,7 @@ def test_memory_demand_of_a_trace_served_as_it_arrives() -> None:
                                              "peak_kv_bytes": 0, "outcomes": rows}}}},
     }  # fmt: skip
     text = render_markdown(results)
+    assert "sleep missed the SLO" not in text  # every request attained it
     assert "would need up to 252 B" in text and "budget of 230 B; it needs more for 8 s" in text, text
     assert "in which 1 of 3 requests arrive" in text
 
