@@ -121,7 +121,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "start_timeout": 900.0,
         "sample_period": 0.5,
         "settle": 5.0,
-        "host_budget": "50%",
+        "host_budget": "60%",  # 5 copies of an 8B model's weights: 4 asleep and 1 spare (serve's README)
         "preload": True,
     },
 }
@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--start-parallel", type=int, help="engines started at once (cpu 2, cuda 4; static on cuda: 1)"
     )
-    p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 50%%)")
+    p.add_argument("--host-budget", help="sleep set-up: host memory for asleep weights (cuda 60%%)")
     p.add_argument(
         "--serve-option",
         type=_serve_option,
