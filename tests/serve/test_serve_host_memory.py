@@ -529,13 +529,25 @@ def test_the_serving_model_with_the_fewest_requests_is_suspended_first(tmp_path:
         srv.stop()
 
 
-def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
-    """Three models of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a token;
-    a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All three are
-    preloaded: ``a`` and ``b`` end up awake, ``c`` asleep at level 1 (its wake is a copy, not a start)."""
+def _turns_server(
+    tmp_path: Path,
+    *,
+    refuse_keep: bool = False,
+    names: str = "abc",
+    host_budget: str = "40M",
+    priority: dict[str, int] | None = None,
+    idle_sleep_s: float = 0,
+) -> ServeProcess:
+    """Three models (``names``) of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a
+    token; a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All are
+    preloaded: ``a`` and ``b`` end up awake, the others asleep at level 1 (their wake is a copy, not a
+    start). ``priority``: the models' priorities where not 0; ``idle_sleep_s``: theirs (0: never)."""
 
     def toy(name: str, seed: int) -> dict[str, Any]:
-        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M")
+        model = _toy(
+            name, tmp_path, seed, delay=0.2, weights_bytes="15M", priority=(priority or {}).get(name, 0),
+            idle_sleep_s=idle_sleep_s,
+        )  # fmt: skip
         model["command"] += ["--token-ms", "250", *(["--refuse-keep"] if refuse_keep else [])]
         model["sleep_path"] = "/sleep?level={level}&mode={mode}"
         return model
@@ -543,9 +555,9 @@ def _turns_server(tmp_path: Path, *, refuse_keep: bool = False) -> ServeProcess:
     (tmp_path / "serve").mkdir()
     return ServeProcess(
         tmp_path / "serve",
-        {"budget": "35M", "host_budget": "40M", "min_awake_s": 1, "max_suspend_s": 3,
+        {"budget": "35M", "host_budget": host_budget, "min_awake_s": 1, "max_suspend_s": 3,
          "wake_timeout_s": 120, "preload": True},
-        [toy("a", 1), toy("b", 2), toy("c", 3)],
+        [toy(name, seed) for seed, name in enumerate(names, start=1)],
     )  # fmt: skip
 
 
@@ -621,6 +633,76 @@ def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         line = f'elastic_kv_serve_model_suspends_total{{model="{victim}"}} {status[victim]["suspends"]:.1f}'
         assert line in metrics and f'elastic_kv_serve_model_suspended{{model="{victim}"}} 0.0' in metrics
+
+
+def test_models_suspended_together_take_their_turns_back_from_the_ones_that_replaced_them(
+    tmp_path: Path,
+) -> None:
+    """Four models, two awake: ``a`` and ``b`` serve, then ``c`` and ``d`` are asked for at once and suspend
+    both. No model awake now was awake before those suspensions, yet ``a`` and ``b`` take their turns back
+    once they have waited ``max_suspend_s`` (3 s) from models awake as long, while ``c``'s and ``d``'s 10 s
+    requests still run, instead of waiting for one of them to end. Every answer is exact."""
+    srv = _turns_server(tmp_path, names="abcd", host_budget="70M")
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "asleep", "d": "asleep"}, timeout_s=60)
+        with ThreadPoolExecutor(4) as pool:
+            done: dict[str, float] = {}
+            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
+            srv.wait_for({"a": "awake", "b": "awake"}, timeout_s=30)
+            time.sleep(1.5)  # both awake past min_awake_s
+            second = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "cd"}
+            srv.wait_for({"c": "awake", "d": "awake"}, timeout_s=30)
+            status = srv.status()
+            assert all(status[m]["suspended"] for m in "ab"), status
+            deadline = time.monotonic() + 30
+            while not all(_transitions(status, m, "resume") for m in "ab"):
+                assert time.monotonic() < deadline, status
+                assert not any(f.done() for f in second.values()), "a and b waited for c's or d's request"
+                time.sleep(0.2)
+                status = srv.status()
+            assert not any(f.done() for f in second.values()), "a and b waited for c's or d's request"
+            for m, future in [*first.items(), *second.items()]:
+                assert _text(future.result(timeout=120)) == _expected(tmp_path, m, m, 40)
+            assert not any(m["suspended"] for m in srv.status().values())
+    finally:
+        srv.stop()
+
+
+def test_a_suspended_model_that_finds_no_room_does_not_hold_back_the_next_one(tmp_path: Path) -> None:
+    """Four models, two awake, ``a`` of priority 0 and the others of priority 1, all asleep once idle 1 s:
+    ``a`` and ``b`` serve, then ``c`` and ``d`` suspend ``a`` (the lowest priority goes first) and ``b``.
+    ``a``, suspended first, may not suspend ``c`` or ``d`` (higher priority) and waits for a request to end;
+    ``b`` behind it takes its turn back meanwhile."""
+    priority = {"b": 1, "c": 1, "d": 1}
+    srv = _turns_server(tmp_path, names="abcd", host_budget="70M", priority=priority, idle_sleep_s=1)
+    try:
+        srv.wait_ready(timeout_s=60)
+        srv.wait_for(dict.fromkeys("abcd", "asleep"), timeout_s=30)
+        with ThreadPoolExecutor(4) as pool:
+            done: dict[str, float] = {}
+            first = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "ab"}
+            srv.wait_for({"a": "awake", "b": "awake"}, timeout_s=30)
+            time.sleep(1.5)  # both awake past min_awake_s
+            second = {"c": pool.submit(_ask_timed, srv, "c", 40, done)}
+            srv.wait_for({"c": "awake"}, timeout_s=30)
+            second["d"] = pool.submit(_ask_timed, srv, "d", 40, done)
+            srv.wait_for({"d": "awake"}, timeout_s=30)
+            status = srv.status()
+            assert status["a"]["suspended"] and status["b"]["suspended"], status
+            assert (
+                _transitions(status, "a", "suspend")[0]["at"] < _transitions(status, "b", "suspend")[0]["at"]
+            )
+            deadline = time.monotonic() + 30
+            while not _transitions(status, "b", "resume"):
+                assert time.monotonic() < deadline, status
+                assert not any(f.done() for f in second.values()), "b waited for c's or d's request"
+                time.sleep(0.2)
+                status = srv.status()
+            assert status["a"]["suspended"] and not _transitions(status, "a", "resume"), status["a"]
+            for m, future in [*first.items(), *second.items()]:
+                assert _text(future.result(timeout=120)) == _expected(tmp_path, m, m, 40)
+    finally:
+        srv.stop()
 
 
 def test_an_engine_that_refuses_a_suspension_keeps_serving(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ model states, and stops the server with SIGTERM (the drain path) or, if that fai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import ssl
@@ -138,6 +139,19 @@ class ServeProcess:
             time.sleep(0.25)
         seen = {n: m["state"] for n, m in last.items()}
         raise TimeoutError(f"models not {states} after {timeout_s:.0f} s (now {seen}):\n{self.log_tail()}")
+
+    def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait until the server's start-up is done (``/ready``); the status then. TimeoutError with the log
+        tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/ready", timeout=10).status_code == 200:
+                    return self.status()
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status. After a drain the server exits by

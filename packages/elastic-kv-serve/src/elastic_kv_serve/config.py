@@ -30,7 +30,7 @@ A config has one ``[server]`` table and one ``[[models]]`` entry per served mode
     kv_share_min_weights = 0    # ... and at least this times the largest weights of the models sharing
     suspend_busy = true         # more models serve than fit: a waking model may suspend a serving one
     min_awake_s = 5             # ... awake at least this long (its requests resume when it wakes again)
-    max_suspend_s = 30          # a suspended model waits this long for room, then suspends one in turn
+    max_suspend_s = 30          # a suspended model waits this long for room, then suspends one awake as long
     host_budget = "40%"         # host memory for asleep models' weights (an arena, filled once, shared)
     host_memory = "128G"        # what "40%" is a share of; default: the host's memory
     host_arena_dir = "/dev/shm" # where the arena file lives (a memory file system); default: registry_dir

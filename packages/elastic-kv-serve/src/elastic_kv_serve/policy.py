@@ -30,9 +30,8 @@ engines, which resume them when they wake. Only a model awake for some time (``a
 lowest priority first, then the one with the fewest requests (a suspension pauses every request of its
 model: those not started yet lose their time to the first token), then the one awake longest; never a
 pinned one, one of higher priority, or one whose engine cannot keep its requests asleep. A suspended model
-wakes again once room is free, or once it has waited long enough to suspend in turn a model that was awake
-before it was suspended: serving models take turns, each awake for at least the minimum, and none waits
-without end.
+wakes again once room is free, or once it has waited long enough to suspend in turn a model awake at least
+as long: serving models take turns, each awake for at least that long, and none waits without end.
 
 Host arena: level-1 copies are kept for the models used most recently. A model going to sleep whose copy
 does not fit in the arena takes the extents of asleep models that come before it in the order *lower

@@ -101,14 +101,16 @@ class RoomMaker:
     def _awake_before(self, rt: ModelRuntime, wait: bool) -> float:
         """Models awake since this monotonic time or earlier may be suspended for ``rt``: ``min_awake_s``
         ago for a wake that requests wait for; for a suspended model's own wake (``wait=False``), only once
-        it has been suspended ``max_suspend_s``, and then only models awake since before its suspension."""
+        it has been suspended ``max_suspend_s``, and then models awake at least as long (and ``min_awake_s``):
+        each turn lasts at least ``max_suspend_s``, and a model suspended while the others took its place
+        at once gets its turn back from them, not only from models awake before its suspension."""
         srv = self.fleet.config.server
         now = time.monotonic()
         if wait:
             return now - srv.min_awake_s
         if now - rt.suspended_since < srv.max_suspend_s:
             return -math.inf
-        return min(now - srv.min_awake_s, rt.suspended_since)
+        return now - max(srv.min_awake_s, srv.max_suspend_s)
 
     def relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
         """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep

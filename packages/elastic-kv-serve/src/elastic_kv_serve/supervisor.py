@@ -17,8 +17,8 @@ have room*, so a busy neighbour's KV never grows into room made for a model that
 More models serving than fit (``[server] suspend_busy``): when no idle model can make room and a KV share
 would fall below its floor, the waking model suspends serving ones (awake at least ``min_awake_s``): they
 sleep with their requests kept in their engines (:meth:`EngineKind.can_suspend`). A suspended model wakes
-again once room is free, or, after ``max_suspend_s``, by suspending in turn a model awake since before its
-own suspension (:func:`elastic_kv_serve.policy.choose_suspensions`); a wake for new requests goes first.
+again once room is free, or, after ``max_suspend_s``, by suspending in turn a model awake at least as long
+(:func:`elastic_kv_serve.policy.choose_suspensions`); a wake for new requests goes first.
 
 Host memory: asleep weights stay within ``[server] host_budget`` (:mod:`elastic_kv_serve.host`): each sleep
 is level 1 while the host arena has room for the model's weights, else level 2, else a stop.

@@ -38,6 +38,7 @@ class WakeMoves:
         self.room = room
         self._failed = failed
         self._starts = asyncio.Semaphore(fleet.config.server.start_parallel)
+        self._resuming = False  # a try to wake the suspended models is under way
 
     async def bring_up(
         self, rt: ModelRuntime, state: State, deadline: float | None, wait: bool = True
@@ -121,23 +122,36 @@ class WakeMoves:
                 raise
 
     def resume_suspended(self) -> None:
-        """Try to wake the suspended model that has waited longest (one try at a time, and none while another
+        """Try to wake the suspended models, the one that has waited longest first, until one wakes: one that
+        finds no room does not hold back the others behind it (one try at a time, and none while another
         model sleeps, wakes, starts or makes room: a wake that requests wait for goes first). A suspended
         model whose clients all left is merely asleep."""
         fleet = self.fleet
         for rt in fleet.models.values():
             if rt.suspended and rt.state is State.ASLEEP and not rt.busy:
                 rt.suspended = False
-        if self.room.lock.locked() or any(
-            r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values()
+        if (
+            self._resuming
+            or self.room.lock.locked()
+            or any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values())
         ):
             return
-        waiting = [
-            r
-            for r in fleet.models.values()
-            if r.suspended and r.state is State.ASLEEP and not r.lock.locked()
-        ]
-        if waiting:
-            rt = min(waiting, key=lambda r: r.suspended_since)
-            rt.set_state(State.WAKING)  # claimed now, as a request's wake claims it
-            fleet.spawn(self.bring_up(rt, State.WAKING, deadline=None, wait=False), f"resume-{rt.name}")
+        if any(r.suspended and r.state is State.ASLEEP for r in fleet.models.values()):
+            self._resuming = True
+            fleet.spawn(self._resume_first(), "resume")
+
+    async def _resume_first(self) -> None:
+        """:meth:`resume_suspended`'s tries, in the order the models were suspended."""
+        fleet = self.fleet
+        try:
+            for rt in sorted(fleet.models.values(), key=lambda r: r.suspended_since):
+                if fleet.closing or self.room.lock.locked():
+                    return  # a wake that requests wait for goes first
+                if not (rt.suspended and rt.state is State.ASLEEP and not rt.lock.locked()):
+                    continue
+                rt.set_state(State.WAKING)  # claimed now, as a request's wake claims it
+                await self.bring_up(rt, State.WAKING, deadline=None, wait=False)
+                if rt.state is State.AWAKE:
+                    return
+        finally:
+            self._resuming = False
