@@ -295,6 +295,8 @@ def test_the_arena_holds_the_copies_of_the_models_used_most_recently(tmp_path: P
         (demote,) = _transitions(status, "x", "demote")
         assert demote["level"] == "2" and status["x"]["sleep_level"] == 2 and status["x"]["host_bytes"] == 0
         assert "model x is demoted to level 2" in srv.log_tail(200)
+        # a 10 MiB arena for two awake of three: one copy asleep, one for a swap; said once at start-up
+        assert srv.log_tail(200).count("10.0 MiB more would keep every swap at level 1") == 1
         assert _text(_ask(srv, "x", "back")) == _expected(tmp_path, "x", "back")
         assert _transitions(srv.status(), "x", "wake")[-1]["level"] == "2"
     finally:

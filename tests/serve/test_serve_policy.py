@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from elastic_kv_serve.policy import (
     Candidate,
+    arena_shortfall,
     choose_suspensions,
     choose_victims,
     demotion_order,
@@ -171,6 +172,25 @@ def test_arena_copies_go_to_models_used_more_recently_or_of_higher_priority() ->
     # model of higher priority, one used after the sleeper, or one that keeps requests (suspended)
     assert [c.name for c in order] == ["lo-new", "mid-older", "mid-old"]
     assert demotion_order(asleep, priority=0, last_used=1.0) == []
+
+
+@pytest.mark.parametrize(
+    ("arena", "copies", "footprints", "budget", "short"),
+    [
+        # the H100 run: 8 models of 16.5 GiB (13.65 GiB copies), 4 awake: 4 asleep + the swap's spare
+        (629, [137] * 8, [165] * 8, 717, 5 * 137 - 629),
+        (5 * 137, [137] * 8, [165] * 8, 717, 0),
+        (10, [10] * 3, [10] * 3, 20, 10),  # two awake, one asleep: two copies for a swap
+        (10, [10] * 3, [10] * 3, 30, 0),  # all awake: no swap
+        (10, [10] * 3, [10] * 3, None, 0),  # no budget: no swap
+        (25, [10, 20, 5], [10, 20, 5], 15, 5),  # the smallest awake (5 + 10), the two largest copies: 30
+        (0, [0, 0], [10, 10], 10, 0),  # models that do not sleep into the arena need no copy
+    ],
+)
+def test_the_arena_needs_one_copy_more_than_the_models_asleep_when_as_many_as_fit_are_awake(
+    arena: int, copies: list[int], footprints: list[int], budget: int | None, short: int
+) -> None:
+    assert arena_shortfall(arena, copies, footprints, budget) == short
 
 
 def test_a_random_weights_vllm_model_is_never_demoted() -> None:

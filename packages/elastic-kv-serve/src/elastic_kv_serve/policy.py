@@ -36,7 +36,10 @@ as long: serving models take turns, each awake for at least that long, and none 
 Host arena: level-1 copies are kept for the models used most recently. A model going to sleep whose copy
 does not fit in the arena takes the extents of asleep models that come before it in the order *lower
 priority, then less recently used*: they are demoted to level 2 (their next wake reloads the weights), the
-first in that order first, until its copy fits. Otherwise it sleeps at level 2 itself.
+first in that order first, until its copy fits. Otherwise it sleeps at level 2 itself. A model put to sleep
+to make room writes its copy before the model it makes room for wakes and gives its own back, so swaps stay
+at level 1 only while the arena holds one copy more than the models asleep at once
+(:func:`arena_shortfall`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Candidate",
+    "arena_shortfall",
     "choose_suspensions",
     "choose_victims",
     "demotion_order",
@@ -151,6 +155,29 @@ def demotion_order(asleep: Iterable[Candidate], *, priority: int, last_used: flo
         (c for c in asleep if not c.busy and (c.priority, c.last_used) < (priority, last_used)),
         key=lambda c: (c.priority, c.last_used),
     )
+
+
+def arena_shortfall(
+    arena_bytes: int, copies: Sequence[int], footprints: Sequence[int], budget_bytes: int | None
+) -> int:
+    """The bytes the host arena lacks for every swap to stay at level 1 (0: none) when all the models want
+    to be awake: each model's level-1 copy (``copies``) and device footprint when awake and idle
+    (``footprints``, in the same order), the device budget (``None``: all stay awake, no swap). As many
+    models as fit are awake, the smallest first; the others are asleep, and a swap needs one copy more (see
+    the module docstring): the largest copies of that many models."""
+    if budget_bytes is None:
+        return 0
+    awake, used = 0, 0
+    for footprint in sorted(footprints):
+        if used + footprint > budget_bytes:
+            break
+        used += footprint
+        awake += 1
+    asleep = len(copies) - awake
+    if asleep == 0:
+        return 0
+    need = sum(sorted(copies, reverse=True)[: asleep + 1])
+    return max(0, need - arena_bytes)
 
 
 def due_to_sleep(candidates: Sequence[Candidate], now: float) -> list[Candidate]:

@@ -42,6 +42,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from elastic_kv.sizes import format_bytes
+
 from elastic_kv_serve import policy
 from elastic_kv_serve.config import ServeConfig
 from elastic_kv_serve.engines import EngineProcess, EngineStartError, engine_env
@@ -127,6 +129,29 @@ class Supervisor:
         logger.info(
             "start-up done: %s", ", ".join(f"{r.name} {r.state.value}" for r in fleet.models.values())
         )
+        self._check_arena()
+
+    def _check_arena(self) -> None:
+        """One warning when the host arena is too small for every swap to stay at level 1
+        (:func:`elastic_kv_serve.policy.arena_shortfall`): the copies as the engines measured them, none for
+        models that do not sleep into the arena."""
+        fleet = self.fleet
+        arena = fleet.host.arena
+        if arena is None:
+            return
+        models = list(fleet.models.values())
+        in_arena = [r.sleep_mode == "engine" and kind_of(r.config).uses_arena for r in models]
+        short = policy.arena_shortfall(
+            arena.size, [r.level_one_bytes if a else 0 for r, a in zip(models, in_arena, strict=True)],
+            [r.weights_bytes + r.idle_kv_bytes for r in models], fleet.budget_bytes,
+        )  # fmt: skip
+        if short:
+            logger.warning(
+                "server.host_budget: the host arena (%s) holds fewer level-1 copies than the models asleep "
+                "when as many as fit are awake, plus the one a swap needs; some swaps will demote a model to "
+                "level 2 (its next wake reloads its weights): %s more would keep every swap at level 1",
+                format_bytes(arena.size), format_bytes(short),
+            )  # fmt: skip
 
     async def shutdown(self) -> None:
         """Stop every engine (in-flight requests are drained by the HTTP server before this is called),
