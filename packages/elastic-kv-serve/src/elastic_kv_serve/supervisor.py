@@ -62,6 +62,11 @@ __all__ = ["Supervisor"]
 logger = logging.getLogger(__name__)
 
 
+def _sleeps_into_arena(rt: ModelRuntime) -> bool:
+    """Its engine sleeps through its own sleep mode, and its level-1 copy goes to the server's host arena."""
+    return rt.sleep_mode == "engine" and kind_of(rt.config).uses_arena
+
+
 class Supervisor:
     """Every model of one :class:`ServeConfig` (see the module docstring)."""
 
@@ -96,7 +101,7 @@ class Supervisor:
                     raise EngineStartError(str(exc)) from None
             rt.sleep_mode = modes[key]
             logger.info("model %s: engine %s, sleep mode %s", rt.name, rt.config.engine, rt.sleep_mode)
-        if any(rt.sleep_mode == "engine" and kind_of(rt.config).uses_arena for rt in fleet.models.values()):
+        if any(map(_sleeps_into_arena, fleet.models.values())):
             fleet.host.create_arena()
         self._prepared = True
 
@@ -140,9 +145,8 @@ class Supervisor:
         if arena is None:
             return
         models = list(fleet.models.values())
-        in_arena = [r.sleep_mode == "engine" and kind_of(r.config).uses_arena for r in models]
         short = policy.arena_shortfall(
-            arena.size, [r.level_one_bytes if a else 0 for r, a in zip(models, in_arena, strict=True)],
+            arena.size, [r.level_one_bytes if _sleeps_into_arena(r) else 0 for r in models],
             [r.weights_bytes + r.idle_kv_bytes for r in models], fleet.budget_bytes,
         )  # fmt: skip
         if short:
