@@ -540,10 +540,11 @@ def _turns_server(
     priority: dict[str, int] | None = None,
     idle_sleep_s: float = 0,
 ) -> ServeProcess:
-    """Three models (``names``) of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding 250 ms a
-    token; a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All are
-    preloaded: ``a`` and ``b`` end up awake, the others asleep at level 1 (their wake is a copy, not a
-    start). ``priority``: the models' priorities where not 0; ``idle_sleep_s``: theirs (0: never)."""
+    """Models ``names`` (three by default) of 15 MiB (declared) in a 35 MiB budget (two awake), each decoding
+    250 ms a token; a model may be suspended once awake 1 s and takes its turn back after 3 s suspended. All
+    are preloaded: with equal priorities ``a`` and ``b`` end up awake, the others asleep at level 1 (their
+    wake is a copy, not a start). ``priority``: the models' priorities where not 0; ``idle_sleep_s``: theirs
+    (0: never)."""
 
     def toy(name: str, seed: int) -> dict[str, Any]:
         model = _toy(
@@ -637,6 +638,21 @@ def test_more_models_serving_than_fit_take_turns_and_every_request_completes(tmp
         assert line in metrics and f'elastic_kv_serve_model_suspended{{model="{victim}"}} 0.0' in metrics
 
 
+def _resumed_while_running(
+    srv: ServeProcess, names: str, running: dict[str, Future[httpx.Response]]
+) -> dict[str, Any]:
+    """Wait (30 s at most) until each of ``names`` has resumed, asserting that none of the ``running``
+    requests ended first (the models took their turns back, not a neighbour's ended request); the status."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = srv.status()
+        assert not any(f.done() for f in running.values()), f"{names} waited for a request to end: {status}"
+        if all(_transitions(status, m, "resume") for m in names):
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+
+
 def test_models_suspended_together_take_their_turns_back_from_the_ones_that_replaced_them(
     tmp_path: Path,
 ) -> None:
@@ -654,15 +670,8 @@ def test_models_suspended_together_take_their_turns_back_from_the_ones_that_repl
             time.sleep(1.5)  # both awake past min_awake_s
             second = {m: pool.submit(_ask_timed, srv, m, 40, done) for m in "cd"}
             srv.wait_for({"c": "awake", "d": "awake"}, timeout_s=30)
-            status = srv.status()
-            assert all(status[m]["suspended"] for m in "ab"), status
-            deadline = time.monotonic() + 30
-            while not all(_transitions(status, m, "resume") for m in "ab"):
-                assert time.monotonic() < deadline, status
-                assert not any(f.done() for f in second.values()), "a and b waited for c's or d's request"
-                time.sleep(0.2)
-                status = srv.status()
-            assert not any(f.done() for f in second.values()), "a and b waited for c's or d's request"
+            assert all(srv.status()[m]["suspended"] for m in "ab")
+            _resumed_while_running(srv, "ab", second)
             for m, future in [*first.items(), *second.items()]:
                 assert _text(future.result(timeout=120)) == _expected(tmp_path, m, m, 40)
             assert not any(m["suspended"] for m in srv.status().values())
@@ -694,12 +703,7 @@ def test_a_suspended_model_that_finds_no_room_does_not_hold_back_the_next_one(tm
             assert (
                 _transitions(status, "a", "suspend")[0]["at"] < _transitions(status, "b", "suspend")[0]["at"]
             )
-            deadline = time.monotonic() + 30
-            while not _transitions(status, "b", "resume"):
-                assert time.monotonic() < deadline, status
-                assert not any(f.done() for f in second.values()), "b waited for c's or d's request"
-                time.sleep(0.2)
-                status = srv.status()
+            status = _resumed_while_running(srv, "b", second)
             assert status["a"]["suspended"] and not _transitions(status, "a", "resume"), status["a"]
             for m, future in [*first.items(), *second.items()]:
                 assert _text(future.result(timeout=120)) == _expected(tmp_path, m, m, 40)

@@ -7,12 +7,12 @@ model states, and stops the server with SIGTERM (the drain path) or, if that fai
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,34 +124,46 @@ class ServeProcess:
 
     def wait_for(self, states: dict[str, str], timeout_s: float = 600.0) -> dict[str, Any]:
         """Wait until every named model is in its state; the status then. TimeoutError with the log tail."""
-        deadline = time.monotonic() + timeout_s
         last: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                last = self.status()
-            except httpx.HTTPError:
-                time.sleep(0.5)
-                continue
-            if all(last[name]["state"] == state for name, state in states.items()):
-                return last
-            time.sleep(0.25)
-        seen = {n: m["state"] for n, m in last.items()}
-        raise TimeoutError(f"models not {states} after {timeout_s:.0f} s (now {seen}):\n{self.log_tail()}")
+
+        def reached() -> dict[str, Any] | None:
+            nonlocal last
+            last = self.status()
+            return last if all(last[name]["state"] == state for name, state in states.items()) else None
+
+        def failure() -> str:
+            seen = {n: m["state"] for n, m in last.items()}
+            return f"models not {states} after {timeout_s:.0f} s (now {seen})"
+
+        return self._poll(reached, timeout_s, failure)
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Wait until the server's start-up is done (``/ready``); the status then. TimeoutError with the log
         tail."""
+
+        def ready() -> dict[str, Any] | None:
+            return self.status() if httpx.get(f"{self.url}/ready", timeout=10).status_code == 200 else None
+
+        return self._poll(ready, timeout_s, lambda: f"the server was not ready after {timeout_s:.0f} s")
+
+    def _poll(
+        self, probe: Callable[[], dict[str, Any] | None], timeout_s: float, failure: Callable[[], str]
+    ) -> dict[str, Any]:
+        """``probe()`` every 0.25 s (0.5 s after an HTTP error: the server is not up yet) until it returns a
+        status; RuntimeError when the server exits, TimeoutError with ``failure()`` and the log tail."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/ready", timeout=10).status_code == 200:
-                    return self.status()
+            try:
+                found = probe()
+            except httpx.HTTPError:
+                time.sleep(0.5)
+                continue
+            if found is not None:
+                return found
             time.sleep(0.25)
-        raise TimeoutError(f"the server was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"{failure()}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 180.0) -> int:
         """SIGTERM (drain), SIGKILL after ``timeout_s``; the exit status. After a drain the server exits by
