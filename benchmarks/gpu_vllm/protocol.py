@@ -57,6 +57,7 @@ def _command(slot: str, args: argparse.Namespace) -> list[str]:
         # Two processes of one interpreter differed by 14 % in engine-thread CPU per burst with their
         # randomized address layout and hash seed (--calibrate, two native engines); fixed, 7 %.
         cmd = ["setarch", os.uname().machine, "-R", *cmd]
+    cmd += ["--model", args.model]  # the engine's options follow the family (gdn's prefill kernel)
     cmd += ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output)]
     cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     cmd += ["--cpu-smoke"] if args.cpu_smoke else []

@@ -106,6 +106,23 @@ def test_slots_run_the_backends_asked_for() -> None:
     }
 
 
+def test_a_child_starts_its_engine_with_the_parents_options() -> None:
+    """The child parses the command line the parent builds: the family's engine options (gdn's prefill
+    kernel, the speculative drafts) reach the engine's process."""
+    from benchmarks.gpu_vllm.child import _engine_options
+    from benchmarks.gpu_vllm.cli import _parser
+    from benchmarks.gpu_vllm.protocol import _command
+
+    parent = _parser().parse_args(["--model", "gdn", "--speculative", "ngram"])
+    parent.model_dir, parent.cpu_split = "/models/gdn", None
+    command = _command("A", parent)
+    child = _parser().parse_args(command[command.index("--child") :])
+    assert (child.child, child.model, child.speculative) == ("A", "gdn", "ngram")
+    options = _engine_options(child, backend("A", child))
+    assert options["additional_config"] == {"kv_cache_backend": "elastic", "gdn_prefill_backend": "triton"}
+    assert options["speculative_config"]
+
+
 def test_step_spans_sort_steps_by_kind_and_by_the_ranks_maps() -> None:
     # --gpu-times reads CUDA events, which this machine has not: its bookkeeping runs here on events that
     # read a counter (one tick a record or a map), the spans and gaps checked exactly.
