@@ -500,6 +500,52 @@ def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp
         srv.stop()
 
 
+def test_a_model_woken_to_serve_makes_room_for_its_kv_floor_not_only_its_weights(tmp_path: Path) -> None:
+    """A 50 MiB budget, four models of 10 MiB (declared) decoding 500 ms a token, engines that keep their
+    requests asleep, ``kv_share_min_weights = 1`` (a serving model's KV share is at least 10 MiB: two serve
+    at once). ``a``, ``b`` and ``c`` are awake when their 20 s requests come (8 MiB of KV each; they fill
+    the 20 MiB left). A request to ``d`` (8 MiB) suspends two of them, not one: after one, ``d``'s weights
+    would fit but its KV would not, the two left holding it while their requests ran. ``d`` answers within
+    seconds; the suspended models resume and every answer is exact."""
+    (tmp_path / "f").mkdir()
+
+    def toy(name: str, seed: int, idle_sleep_s: float) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="10M", idle_sleep_s=idle_sleep_s)
+        model["command"] += ["--token-ms", "500"]
+        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    settings = {
+        "budget": "50M", "host_budget": "40M", "kv_headroom": "1M", "pressure_idle_s": 30,
+        "kv_share_min_weights": 1, "min_awake_s": 1, "max_suspend_s": 60,
+    }  # fmt: skip
+    srv = ServeProcess(
+        tmp_path / "f", settings, [toy("a", 1, 0), toy("b", 2, 0), toy("c", 3, 0), toy("d", 4, 1)]
+    )
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "awake", "d": "asleep"}, timeout_s=60)
+
+        def ask(model: str, n: int) -> httpx.Response:
+            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": 8 * MiB}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+
+        with ThreadPoolExecutor(4) as pool:
+            long = {m: pool.submit(ask, m, 40) for m in "abc"}
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "abc") < 20 * MiB:
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            assert _text(pool.submit(ask, "d", 2).result(timeout=60)) == _expected(tmp_path, "d", "d", 2)
+            assert time.monotonic() - t0 < 8.0  # the others' requests run 20 s once they hold their KV
+            status = srv.status()
+            assert len([m for m in "abc" if _transitions(status, m, "suspend")]) == 2, status
+            for m in "abc":
+                assert _text(long[m].result(timeout=120)) == _expected(tmp_path, m, m, 40)
+    finally:
+        srv.stop()
+
+
 def test_the_serving_model_with_the_fewest_requests_is_suspended_first(tmp_path: Path) -> None:
     """The floor set-up above, ``b`` woken by its request after ``a`` (so ``a`` is the model awake longest):
     ``a`` serves two requests, ``b`` one; ``c``'s request suspends ``b``, whose suspension pauses the fewest

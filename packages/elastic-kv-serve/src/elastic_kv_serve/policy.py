@@ -26,9 +26,11 @@ large batch, rather than many awake with little KV each.
 
 Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
 its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
-engines, which resume them when they wake. Only a model awake for some time (``awake_before``) is suspended,
-lowest priority first, then the one with the fewest requests (a suspension pauses every request of its
-model: those not started yet lose their time to the first token), then the one awake longest; never a
+engines, which resume them when they wake. As many are suspended as make room for the waking model's weights
+and, when requests wait for it, its KV share floor: room for its weights alone would let the models still
+serving take the KV that the suspension freed. Only a model awake for some time (``awake_before``) is
+suspended, lowest priority first, then the one with the fewest requests (a suspension pauses every request of
+its model: those not started yet lose their time to the first token), then the one awake longest; never a
 pinned one, one of higher priority, or one whose engine cannot keep its requests asleep. A suspended model
 wakes again once room is free, or once it has waited long enough to suspend in turn a model awake at least
 as long: serving models take turns, each awake for at least that long, and none waits without end.

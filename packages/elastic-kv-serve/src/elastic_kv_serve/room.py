@@ -2,7 +2,9 @@
 within ``[server] budget``. Idle models are put to sleep first
 (:func:`elastic_kv_serve.policy.choose_victims`); while none can go, the serving models' KV is shared with
 the waiting model (:mod:`.shares`), or, with ``suspend_busy`` and where a share would fall below its floor,
-serving models are suspended (:func:`elastic_kv_serve.policy.choose_suspensions`); else the model waits,
+serving models are suspended (:func:`elastic_kv_serve.policy.choose_suspensions`) until the model fits with
+its KV share floor too when it wakes to serve (:meth:`.KvShares.serving_floor`: its neighbours still serving
+would otherwise fill the KV that the suspension freed, and it would hold none); else the model waits,
 until its deadline, for one to become idle. Also the KV pressure of serving models: an idle neighbour
 sleeps so that they grow into its memory (:func:`elastic_kv_serve.policy.pressure_victim`). One make-room
 decision at a time."""
@@ -62,6 +64,8 @@ class RoomMaker:
         """`make_room` under its lock: sleep idle victims, suspend serving ones (where KV shares cannot
         make room), or wait (sharing the serving models' KV with ``rt``)."""
         fleet = self.fleet
+        # Where serving models must be suspended for it and requests wait for it: room for its KV floor too.
+        serving_need = max(need, rt.weights_bytes + self.shares.serving_floor(rt)) if rt.busy else need
         while True:
             used = fleet.used_bytes(exclude=rt)
             candidates = fleet.awake_candidates(exclude=rt)
@@ -76,11 +80,15 @@ class RoomMaker:
                 if not victims or policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
                     return
             elif fleet.config.server.suspend_busy and not (wait and self.shares.would_make_room(rt)):
-                busy = policy.choose_suspensions(
-                    fleet.awake_candidates(exclude=rt, suspendable=True), need_bytes=need, used_bytes=used,
-                    budget_bytes=fleet.budget_bytes, for_priority=rt.config.priority,
-                    awake_before=self._awake_before(rt, wait),
-                )  # fmt: skip
+                serving = fleet.awake_candidates(exclude=rt, suspendable=True)
+                busy = None
+                for room_for in dict.fromkeys((serving_need, need)):  # its KV floor too, else its weights
+                    busy = policy.choose_suspensions(
+                        serving, need_bytes=room_for, used_bytes=used, budget_bytes=fleet.budget_bytes,
+                        for_priority=rt.config.priority, awake_before=self._awake_before(rt, wait),
+                    )  # fmt: skip
+                    if busy is not None:
+                        break
                 if busy:
                     for victim in busy:
                         await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)

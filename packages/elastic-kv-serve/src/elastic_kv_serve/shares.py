@@ -61,6 +61,13 @@ class KvShares:
         shares = policy.kv_shares(room, [r.requests for r in claimants], floor)
         return shared, None if shares is None else {r.name: s for r, s in zip(claimants, shares, strict=True)}
 
+    def serving_floor(self, rt: ModelRuntime) -> int:
+        """The least KV ``rt`` serves with: its own share floor (at least what it holds idle)."""
+        return policy.share_floor(
+            self.fleet.kv_share_min_bytes, self.fleet.config.server.kv_share_min_weights,
+            [rt.weights_bytes], [rt.idle_kv_bytes],
+        )  # fmt: skip
+
     def would_make_room(self, rt: ModelRuntime) -> bool:
         """Whether sharing the serving models' KV with ``rt`` (waiting) would make room for it."""
         waiting = list(self.waiting.values())
