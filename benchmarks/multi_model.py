@@ -65,6 +65,7 @@ from benchmarks.multimodel.client import replay  # noqa: E402
 from benchmarks.multimodel.engines import ModelShape, dummy_llama, random_llama, tiny_llama  # noqa: E402
 from benchmarks.multimodel.report import (  # noqa: E402
     Slo,
+    late_while_down,
     plot_memory,
     prism_slo,
     render_markdown,
@@ -416,6 +417,13 @@ def _replay_load(
         if done % step == 0 or done == total:
             logger.info("%s load %g: %d/%d requests done", setup.name, load, done, total)
 
+    started: list[float] = []  # the replay's start on the wall clock, which the server's transitions use
+
+    def on_start(start: float) -> None:
+        started.append(time.time() + start - time.perf_counter())
+        if sampler is not None:
+            sampler.start(start)
+
     logger.info("%s load %g: %d requests over %.0f s", setup.name, load, len(trace.requests), trace.span_s)
     outcomes = replay(
         trace,
@@ -423,7 +431,7 @@ def _replay_load(
         plan.names,
         plan.shape.vocab_size,
         args.request_timeout,
-        on_start=sampler.start if sampler is not None else lambda start: None,
+        on_start=on_start,
         on_progress=progress,
     )
     rows = [o.as_dict() for o in outcomes]
@@ -439,6 +447,7 @@ def _replay_load(
         "budget_bytes": budget,
         "memory": memory,
         "outcomes": rows,
+        "start_epoch": started[0] if started else None,
     }
 
 
@@ -516,6 +525,9 @@ def build_report(args: argparse.Namespace, slo: Slo, spec: TraceSpec) -> dict[st
         record = json.loads(path.read_text())
         for run in record.get("loads", {}).values():
             run["metrics"] = summarize(run["outcomes"], slo, run["span_s"], prism)
+            down = late_while_down(run["outcomes"], slo, record.get("final_status"), run.get("start_epoch"))
+            if down is not None:
+                run["metrics"]["misses"]["ttft_while_down"] = down
         setups[name] = record
     results: dict[str, Any] = {
         "device": args.device,

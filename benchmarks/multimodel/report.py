@@ -30,6 +30,7 @@ from elastic_kv.sizes import format_bytes
 
 __all__ = [
     "Slo",
+    "late_while_down",
     "memory_demand",
     "plot_memory",
     "prism_slo",
@@ -131,6 +132,48 @@ def summarize(
         },
         "per_model": per_model,
     }
+
+
+def down_spans(final_status: Mapping[str, Any] | None) -> dict[str, list[tuple[float, float]]]:
+    """Per model, the wall-clock spans (``time.time``) in which it was not awake, from the transitions the
+    sleep set-up's server recorded: before its first start, and from the beginning of each sleep, stop or
+    suspension to the end of the wake, resume or start that followed (``math.inf`` while it never did)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for model in (final_status or {}).get("models", []):
+        down: list[tuple[float, float]] = []
+        since: float | None = -math.inf
+        for t in sorted(model.get("transitions", []), key=lambda t: t["at"]):
+            if t["kind"] in ("start", "wake", "resume") and since is not None:
+                down.append((since, t["at"]))
+                since = None
+            elif t["kind"] in ("sleep", "suspend") and since is None:
+                since = t["at"] - t["seconds"]
+        if since is not None:
+            down.append((since, math.inf))
+        spans[model["name"]] = down
+    return spans
+
+
+def late_while_down(
+    outcomes: Sequence[Mapping[str, Any]],
+    slo: Slo,
+    final_status: Mapping[str, Any] | None,
+    start_epoch: float | None,
+) -> int | None:
+    """Of the requests whose first token came later than the SLO, how many waited for it while their model
+    was asleep or suspended for some of the time (the others waited with their model awake throughout:
+    behind its own requests). ``None`` without the server's transitions or the replay's start."""
+    if not final_status or start_epoch is None:
+        return None
+    spans = down_spans(final_status)
+    late = 0
+    for o in outcomes:
+        if not o["ok"] or o["ttft_s"] <= slo.ttft_s:
+            continue
+        begin = start_epoch + o["arrival_s"]
+        end = begin + o["ttft_s"]
+        late += any(a < end and begin < b for a, b in spans.get(o["model"], []))
+    return late
 
 
 def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]:
@@ -260,10 +303,17 @@ def _misses_lines(setups: Mapping[str, Any], key: str) -> list[str]:
     for name, setup in setups.items():
         misses = setup.get("loads", {}).get(key, {}).get("metrics", {}).get("misses")
         if misses and any(misses.values()):
-            lines.append(
+            line = (
                 f"* {name} missed the SLO: {misses['ttft']} by TTFT only, {misses['tpot']} by TPOT only, "
                 f"{misses['both']} by both, {misses['failed']} failed"
             )
+            if misses.get("ttft_while_down") is not None and misses["ttft"] + misses["both"]:
+                line += (
+                    f"; of the {misses['ttft'] + misses['both']} first tokens late, "
+                    f"{misses['ttft_while_down']} waited while their model was asleep or suspended, the "
+                    f"others while it was awake throughout"
+                )
+            lines.append(line)
     return [*lines, ""] if lines else []
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.multimodel.report import (
     Slo,
+    late_while_down,
     memory_demand,
     prism_slo,
     render_markdown,
@@ -116,6 +117,46 @@ def test_prism_slo_per_model_and_swap_times() -> None:
     text = render_markdown(results)
     assert "| sleep | 66.7 % | 33.3 % |" in text and "| a | 2 | 100 / 50 % |" in text
     assert "| swap (wake from level 1/2, room made included) | 1 | 0.90 | 0.90 | 0.90 |" in text
+
+
+def test_late_first_tokens_split_by_whether_their_model_was_down_while_they_waited() -> None:
+    """Model ``a`` starts at 100 (on the wall clock), is suspended over 110-111 and resumed at 130, sleeps
+    from 150 and never wakes; ``b`` never starts. The replay starts at 100 (arrivals are seconds since)."""
+    status = {"models": [
+        {"name": "a", "transitions": [
+            {"kind": "start", "level": "cold", "seconds": 50.0, "at": 100.0},
+            {"kind": "suspend", "level": "1", "seconds": 1.0, "at": 111.0},
+            {"kind": "resume", "level": "1", "seconds": 0.5, "at": 130.0},
+            {"kind": "demote", "level": "2", "seconds": 0.01, "at": 131.0},
+            {"kind": "sleep", "level": "1", "seconds": 0.5, "at": 150.5}]},
+        {"name": "b", "transitions": []},
+    ]}  # fmt: skip
+    waits = [  # model, arrival (s since 100), TTFT
+        ("a", 0.0, 5.0),  # 100-105: in time
+        ("a", 1.0, 12.0),  # 101-113: late, a suspended from 110
+        ("a", 2.0, 12.0),  # 102-114: the same
+        ("a", 3.0, 15.0),  # 103-118: the same
+        ("a", 31.0, 9.0),  # 131-140: late, a awake throughout
+        ("a", 31.0, 20.0),  # 131-151: late, a asleep from 150
+        ("b", 0.0, 11.0),  # 100-111: late, b never started
+    ]
+    rows = [{**_row(i, m, ttft, 0.01), "arrival_s": t} for i, (m, t, ttft) in enumerate(waits)]
+    rows.append(_row(7, "a", None, None, "HTTP 503: x"))  # failed: no first token to be late
+    slo = Slo(ttft_s=8.0, tpot_s=0.05)
+    assert late_while_down(rows, slo, status, start_epoch=100.0) == 5  # rows 1, 2, 3, 5, 6; not 4
+    assert late_while_down(rows, slo, status, start_epoch=None) is None
+    assert late_while_down(rows, slo, None, start_epoch=100.0) is None
+    metrics = summarize(rows, slo, span_s=10.0)
+    metrics["misses"]["ttft_while_down"] = 5
+    results = {
+        "device": "cuda", "models": 2, "model_names": ["a", "b"], "trace": "t", "slo": slo.describe(),
+        "setups": {"sleep": {"describe": "d", "final_status": status,
+                             "loads": {"4": {"metrics": metrics, "peak_kv_bytes": 0}}}},
+    }  # fmt: skip
+    assert (
+        "* sleep missed the SLO: 6 by TTFT only, 0 by TPOT only, 0 by both, 1 failed; of the 6 first tokens "
+        "late, 5 waited while their model was asleep or suspended, the others while it was awake throughout"
+    ) in render_markdown(results)
 
 
 def test_memory_demand_of_a_trace_served_as_it_arrives() -> None:
