@@ -365,11 +365,16 @@ def _fill_the_budget(
 
 
 def _share_server(
-    tmp_path: Path, *, keep_requests: bool = False, b_idle_sleep_s: float = 0, **server: Any
+    tmp_path: Path,
+    *,
+    keep_requests: bool = False,
+    b_idle_sleep_s: float = 0,
+    c_idle_sleep_s: float = 1,
+    **server: Any,
 ) -> ServeProcess:
-    """A 50 MiB budget, three models of 15 MiB (declared) decoding 500 ms a token, ``c`` idle-sleeping after
-    1 s and ``b`` after ``b_idle_sleep_s`` (0: never); engines that keep their requests asleep where
-    ``keep_requests``; ``server``: settings on top of the budget's."""
+    """A 50 MiB budget, three models of 15 MiB (declared) decoding 500 ms a token, ``b`` idle-sleeping after
+    ``b_idle_sleep_s`` and ``c`` after ``c_idle_sleep_s`` (0: never); engines that keep their requests asleep
+    where ``keep_requests``; ``server``: settings on top of the budget's."""
     (tmp_path / "s").mkdir()
 
     def toy(name: str, seed: int, idle_sleep_s: float) -> dict[str, Any]:
@@ -381,7 +386,7 @@ def _share_server(
 
     settings = {"budget": "50M", "host_budget": "20M", "kv_headroom": "1M", "pressure_idle_s": 30, **server}
     return ServeProcess(
-        tmp_path / "s", settings, [toy("a", 1, 0), toy("b", 2, b_idle_sleep_s), toy("c", 3, 1)]
+        tmp_path / "s", settings, [toy("a", 1, 0), toy("b", 2, b_idle_sleep_s), toy("c", 3, c_idle_sleep_s)]
     )
 
 
@@ -541,6 +546,43 @@ def test_a_model_woken_to_serve_makes_room_for_its_kv_floor_not_only_its_weights
             status = srv.status()
             assert len([m for m in "abc" if _transitions(status, m, "suspend")]) == 2, status
             for m in "abc":
+                assert _text(long[m].result(timeout=120)) == _expected(tmp_path, m, m, 40)
+    finally:
+        srv.stop()
+
+
+def test_a_serving_model_that_gets_no_kv_below_the_floors_takes_a_turn(tmp_path: Path) -> None:
+    """The KV-share set-up with all three models awake, engines that keep their requests asleep and
+    ``kv_share_min_weights = 0.5``: the floor for three serving (7.5 MiB each) does not fit, so no shares
+    are set. ``a`` and ``b`` fill the 5 MiB of KV left with 20 s requests; a request to ``c`` (2 MiB) finds
+    none. ``c`` holds no KV for a second (``min_awake_s``), then one of the others is suspended for it, as
+    for a wake, rather than ``c`` waiting for their requests to end; it resumes later, every answer exact."""
+    srv = _share_server(
+        tmp_path, keep_requests=True, c_idle_sleep_s=0, host_budget="40M", kv_share_min_weights=0.5,
+        min_awake_s=1, max_suspend_s=60,
+    )  # fmt: skip
+    try:
+        srv.wait_for({"a": "awake", "b": "awake", "c": "awake"}, timeout_s=60)
+
+        def ask(model: str, n: int, kv: int) -> httpx.Response:
+            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+
+        with ThreadPoolExecutor(3) as pool:
+            long = {"a": pool.submit(ask, "a", 40, 3 * MiB), "b": pool.submit(ask, "b", 40, 2 * MiB)}
+            deadline = time.monotonic() + 30
+            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 5 * MiB:
+                assert time.monotonic() < deadline, srv.status()
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            assert _text(pool.submit(ask, "c", 2, 2 * MiB).result(timeout=60)) == _expected(
+                tmp_path, "c", "c", 2
+            )
+            assert time.monotonic() - t0 < 8.0  # a and b run 20 s
+            status = srv.status()
+            assert len([m for m in "ab" if _transitions(status, m, "suspend")]) == 1, status
+            assert not _transitions(status, "c", "suspend"), status
+            for m in "ab":
                 assert _text(long[m].result(timeout=120)) == _expected(tmp_path, m, m, 40)
     finally:
         srv.stop()

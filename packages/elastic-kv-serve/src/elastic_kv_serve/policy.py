@@ -19,7 +19,9 @@ with two. A model above its share drains to it (its engine preempts requests, wh
 one below may grow to it. A model waiting for room thus wakes in about the time its neighbours take to drain,
 not when one of them goes idle. A share has a floor (:func:`share_floor`): no claimant gets less (those whose
 part of the room would be less get the floor, the others split the rest in proportion), and when the floor for
-every claimant does not fit in the room the models would rather take turns (suspension). The floor can follow
+every claimant does not fit in the room the models would rather take turns (suspension); so do models that
+already serve when it does not fit (awake when their requests came): one that has held no KV for
+``min_awake_s`` has serving models suspended for it as a wake would. The floor can follow
 the models' weights: each decode step of a model reads all of its weights whatever its batch, so models that
 share the device's memory bandwidth serve the most tokens with the fewest of them awake, each with KV for a
 large batch, rather than many awake with little KV each.

@@ -6,8 +6,9 @@ serving models are suspended (:func:`elastic_kv_serve.policy.choose_suspensions`
 its KV share floor too when it wakes to serve (:meth:`.KvShares.serving_floor`: its neighbours still serving
 would otherwise fill the KV that the suspension freed, and it would hold none); else the model waits,
 until its deadline, for one to become idle. Also the KV pressure of serving models: an idle neighbour
-sleeps so that they grow into its memory (:func:`elastic_kv_serve.policy.pressure_victim`). One make-room
-decision at a time."""
+sleeps so that they grow into its memory (:func:`elastic_kv_serve.policy.pressure_victim`); and a serving
+model that holds no KV while more models serve than their floors fit takes a turn, as a wake would
+(:meth:`RoomMaker.relieve_starvation`). One make-room decision at a time."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class RoomMaker:
         self.sleeps = sleeps
         self.shares = shares
         self.lock = asyncio.Lock()  # one make-room decision at a time
+        self._starved_since: dict[str, float] = {}  # serving models seen holding no KV, since when
 
     async def make_room(self, rt: ModelRuntime, deadline: float | None, wait: bool = True) -> None:
         """Put idle models to sleep (or suspend serving ones) until ``rt``'s weights and idle KV fit the
@@ -119,6 +121,43 @@ class RoomMaker:
         if now - rt.suspended_since < srv.max_suspend_s:
             return -math.inf
         return now - max(srv.min_awake_s, srv.max_suspend_s)
+
+    def relieve_starvation(self, now: float) -> None:
+        """More models serve than their KV share floors fit (they were awake when their requests came), so
+        no shares are set, and one of them has held no KV beyond its idle KV for ``min_awake_s``: it takes a
+        turn. Serving models are suspended for it as for a wake (:func:`.policy.choose_suspensions`) until
+        its floor fits, rather than it waiting for its neighbours' requests to end."""
+        fleet = self.fleet
+        srv = fleet.config.server
+        serving = self.shares.over_floors() if srv.suspend_busy else []
+        starved = {r.name for r in serving if r.kv_bytes <= r.idle_kv_bytes}
+        self._starved_since = {m: self._starved_since.get(m, now) for m in starved}
+        due = [fleet.models[m] for m, since in self._starved_since.items() if now - since >= srv.min_awake_s]
+        if (
+            not due
+            or self.lock.locked()
+            or any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values())
+        ):
+            return
+        rt = min(due, key=lambda r: (-r.config.priority, self._starved_since[r.name]))
+        fleet.spawn(self._turn_for(rt), f"turn-{rt.name}")
+
+    async def _turn_for(self, rt: ModelRuntime) -> None:
+        """:meth:`relieve_starvation`'s suspensions for ``rt``."""
+        fleet = self.fleet
+        async with self.lock:
+            if rt.state is not State.AWAKE or not rt.busy:
+                return
+            victims = policy.choose_suspensions(
+                fleet.awake_candidates(exclude=rt, suspendable=True),
+                need_bytes=rt.weights_bytes + self.shares.serving_floor(rt),
+                used_bytes=fleet.used_bytes(exclude=rt), budget_bytes=fleet.budget_bytes,
+                for_priority=rt.config.priority,
+                awake_before=time.monotonic() - fleet.config.server.min_awake_s,
+            )  # fmt: skip
+            for victim in victims or []:
+                await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)
+            self._starved_since.pop(rt.name, None)
 
     def relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
         """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep

@@ -68,6 +68,14 @@ class KvShares:
             [rt.weights_bytes], [rt.idle_kv_bytes],
         )  # fmt: skip
 
+    def over_floors(self) -> list[ModelRuntime]:
+        """The serving models, when more of them serve than their KV share floors fit beside one another
+        while no model waits for room (they were awake when their requests came); else none."""
+        if self.waiting or self.fleet.budget_bytes is None:
+            return []
+        shared, shares = self._share_plan([])
+        return shared if len(shared) >= 2 and shares is None else []
+
     def would_make_room(self, rt: ModelRuntime) -> bool:
         """Whether sharing the serving models' KV with ``rt`` (waiting) would make room for it."""
         waiting = list(self.waiting.values())

@@ -312,6 +312,7 @@ class Supervisor:
                     if not rt.lock.locked():
                         self.fleet.spawn(self.sleeps.idle_sleep(rt), f"sleep-{rt.name}")
                 self.room.relieve_pressure(awake, now)
+                self.room.relieve_starvation(now)
                 self.wakes.resume_suspended()
                 await self.shares.share_kv()
                 self.fleet.sync_budget()
