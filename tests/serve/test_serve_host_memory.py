@@ -19,6 +19,7 @@ waking while every neighbour serves gets a share of their KV).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -364,6 +365,12 @@ def _fill_the_budget(
     return long
 
 
+def _ask_kv(srv: ServeProcess, model: str, n: int, kv: int) -> httpx.Response:
+    """``model`` asked for ``n`` tokens of its own name, holding ``kv`` bytes of KV while it runs."""
+    body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
+    return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+
+
 def _share_server(
     tmp_path: Path,
     *,
@@ -484,9 +491,7 @@ def test_below_a_share_floor_of_half_their_weights_models_take_turns_instead(tmp
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "asleep"}, timeout_s=60)
 
-        def ask(model: str, n: int, kv: int) -> httpx.Response:
-            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
-            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+        ask = functools.partial(_ask_kv, srv)
 
         with ThreadPoolExecutor(3) as pool:
             long = _fill_the_budget(srv, pool, ask)
@@ -530,9 +535,7 @@ def test_a_model_woken_to_serve_makes_room_for_its_kv_floor_not_only_its_weights
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "awake", "d": "asleep"}, timeout_s=60)
 
-        def ask(model: str, n: int) -> httpx.Response:
-            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": 8 * MiB}
-            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+        ask = functools.partial(_ask_kv, srv, kv=8 * MiB)
 
         with ThreadPoolExecutor(4) as pool:
             long = {m: pool.submit(ask, m, 40) for m in "abc"}
@@ -564,9 +567,7 @@ def test_a_serving_model_that_gets_no_kv_below_the_floors_takes_a_turn(tmp_path:
     try:
         srv.wait_for({"a": "awake", "b": "awake", "c": "awake"}, timeout_s=60)
 
-        def ask(model: str, n: int, kv: int) -> httpx.Response:
-            body = {"model": model, "prompt": model, "max_tokens": n, "kv_bytes": kv}
-            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=180)
+        ask = functools.partial(_ask_kv, srv)
 
         with ThreadPoolExecutor(3) as pool:
             long = {"a": pool.submit(ask, "a", 40, 3 * MiB), "b": pool.submit(ask, "b", 40, 2 * MiB)}
