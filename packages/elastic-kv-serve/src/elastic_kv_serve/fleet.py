@@ -110,6 +110,10 @@ class Fleet:
         """Weights of awake models plus every model's KV (what the budget covers)."""
         return sum(rt.footprint_bytes for rt in self.models.values() if rt is not exclude)
 
+    def moving(self) -> bool:
+        """Some model sleeps, wakes or starts now."""
+        return any(rt.state in (State.SLEEPING, State.WAKING, State.STARTING) for rt in self.models.values())
+
     def host_used_bytes(self) -> int:
         """Host memory asleep models' weights take (the arena's and the engines' own copies)."""
         return sum(rt.host_bytes for rt in self.models.values())

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterable
 
 from elastic_kv_serve import policy
 from elastic_kv_serve.errors import ModelUnavailable
@@ -82,20 +83,10 @@ class RoomMaker:
                 if not victims or policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
                     return
             elif fleet.config.server.suspend_busy and not (wait and self.shares.would_make_room(rt)):
-                serving = fleet.awake_candidates(exclude=rt, suspendable=True)
-                busy = None
-                for room_for in dict.fromkeys((serving_need, need)):  # its KV floor too, else its weights
-                    busy = policy.choose_suspensions(
-                        serving, need_bytes=room_for, used_bytes=used, budget_bytes=fleet.budget_bytes,
-                        for_priority=rt.config.priority, awake_before=self._awake_before(rt, wait),
-                    )  # fmt: skip
-                    if busy is not None:
-                        break
-                if busy:
-                    for victim in busy:
-                        await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)
-                    if policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
-                        return
+                needs = dict.fromkeys((serving_need, need))  # its KV floor too, else its weights at least
+                suspended = await self._suspend_for(rt, needs, self._awake_before(rt, wait))
+                if suspended and policy.fits(need, fleet.used_bytes(exclude=rt), fleet.budget_bytes):
+                    return
             if not wait:
                 raise NoRoomYet
             if deadline is not None and time.monotonic() >= deadline:
@@ -133,11 +124,7 @@ class RoomMaker:
         starved = {r.name for r in serving if r.kv_bytes <= r.idle_kv_bytes}
         self._starved_since = {m: self._starved_since.get(m, now) for m in starved}
         due = [fleet.models[m] for m, since in self._starved_since.items() if now - since >= srv.min_awake_s]
-        if (
-            not due
-            or self.lock.locked()
-            or any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values())
-        ):
+        if not due or self.lock.locked() or fleet.moving():
             return
         rt = min(due, key=lambda r: (-r.config.priority, self._starved_since[r.name]))
         fleet.spawn(self._turn_for(rt), f"turn-{rt.name}")
@@ -148,22 +135,33 @@ class RoomMaker:
         async with self.lock:
             if rt.state is not State.AWAKE or not rt.busy:
                 return
-            victims = policy.choose_suspensions(
-                fleet.awake_candidates(exclude=rt, suspendable=True),
-                need_bytes=rt.weights_bytes + self.shares.serving_floor(rt),
-                used_bytes=fleet.used_bytes(exclude=rt), budget_bytes=fleet.budget_bytes,
-                for_priority=rt.config.priority,
-                awake_before=time.monotonic() - fleet.config.server.min_awake_s,
-            )  # fmt: skip
-            for victim in victims or []:
-                await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)
+            need = rt.weights_bytes + self.shares.serving_floor(rt)
+            await self._suspend_for(rt, [need], time.monotonic() - fleet.config.server.min_awake_s)
             self._starved_since.pop(rt.name, None)
+
+    async def _suspend_for(self, rt: ModelRuntime, needs: Iterable[int], awake_before: float) -> bool:
+        """Suspend the serving models (:func:`.policy.choose_suspensions`, those awake since ``awake_before``
+        or earlier) that make room for ``rt`` to hold the first of ``needs`` that suspensions can make room
+        for; whether any was suspended."""
+        fleet = self.fleet
+        serving = fleet.awake_candidates(exclude=rt, suspendable=True)
+        used = fleet.used_bytes(exclude=rt)
+        for need in needs:
+            victims = policy.choose_suspensions(
+                serving, need_bytes=need, used_bytes=used, budget_bytes=fleet.budget_bytes,
+                for_priority=rt.config.priority, awake_before=awake_before,
+            )  # fmt: skip
+            if victims is not None:
+                for victim in victims:
+                    await self.sleeps.suspend(fleet.models[victim.name], for_model=rt)
+                return bool(victims)
+        return False
 
     def relieve_pressure(self, awake: list[policy.Candidate], now: float) -> None:
         """A serving model's KV grows and has almost filled the budget: put the first idle model to sleep
         (one at a time: none is sleeping or waking now), so that it grows into its memory (:mod:`.policy`)."""
         fleet = self.fleet
-        if any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values()):
+        if fleet.moving():
             return
         window = max(fleet.config.server.pressure_idle_s, 4 * fleet.poll_s)
         if not any(r.busy and now - r.kv_grew_at <= window for r in fleet.models.values()):

@@ -130,11 +130,7 @@ class WakeMoves:
         for rt in fleet.models.values():
             if rt.suspended and rt.state is State.ASLEEP and not rt.busy:
                 rt.suspended = False
-        if (
-            self._resuming
-            or self.room.lock.locked()
-            or any(r.state in (State.SLEEPING, State.WAKING, State.STARTING) for r in fleet.models.values())
-        ):
+        if self._resuming or self.room.lock.locked() or fleet.moving():
             return
         if any(r.suspended and r.state is State.ASLEEP for r in fleet.models.values()):
             self._resuming = True
