@@ -352,16 +352,21 @@ def test_a_serving_model_whose_kv_fills_the_budget_gets_an_idle_neighbours_memor
         srv.stop()
 
 
+def _wait_kv(srv: ServeProcess, models: str, at_least: int) -> None:
+    """Wait (30 s at most) until ``models`` hold ``at_least`` bytes of KV between them."""
+    deadline = time.monotonic() + 30
+    while sum(srv.status()[m]["kv_bytes"] for m in models) < at_least:
+        assert time.monotonic() < deadline, srv.status()
+        time.sleep(0.1)
+
+
 def _fill_the_budget(
     srv: ServeProcess, pool: ThreadPoolExecutor, ask: Callable[[str, int, int], httpx.Response]
 ) -> dict[str, Future[httpx.Response]]:
     """``a`` and ``b`` each asked for 40 tokens holding 12 MiB of KV; returns once their KV fills the 20 MiB
     the budget leaves beside the weights."""
     long = {m: pool.submit(ask, m, 40, 12 * MiB) for m in "ab"}
-    deadline = time.monotonic() + 30
-    while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
-        assert time.monotonic() < deadline, srv.status()
-        time.sleep(0.1)
+    _wait_kv(srv, "ab", 20 * MiB)
     return long
 
 
@@ -456,10 +461,7 @@ def test_kv_shares_follow_how_many_requests_each_model_serves(tmp_path: Path) ->
         with ThreadPoolExecutor(6) as pool:
             long = {p: pool.submit(ask, "a", p, 3 * MiB) for p in ("a1", "a2", "a3", "a4")}
             long["b1"] = pool.submit(ask, "b", "b1", 8 * MiB)
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            _wait_kv(srv, "ab", 20 * MiB)
             reply = pool.submit(ask, "c", "c1", 0, 2).result(timeout=60)
             assert _text(reply) == _expected(tmp_path, "c", "c1", 2)
             status = srv.status()
@@ -539,10 +541,7 @@ def test_a_model_woken_to_serve_makes_room_for_its_kv_floor_not_only_its_weights
 
         with ThreadPoolExecutor(4) as pool:
             long = {m: pool.submit(ask, m, 40) for m in "abc"}
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "abc") < 20 * MiB:
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            _wait_kv(srv, "abc", 20 * MiB)
             t0 = time.monotonic()
             assert _text(pool.submit(ask, "d", 2).result(timeout=60)) == _expected(tmp_path, "d", "d", 2)
             assert time.monotonic() - t0 < 8.0  # the others' requests run 20 s once they hold their KV
@@ -571,10 +570,7 @@ def test_a_serving_model_that_gets_no_kv_below_the_floors_takes_a_turn(tmp_path:
 
         with ThreadPoolExecutor(3) as pool:
             long = {"a": pool.submit(ask, "a", 40, 3 * MiB), "b": pool.submit(ask, "b", 40, 2 * MiB)}
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 5 * MiB:
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            _wait_kv(srv, "ab", 5 * MiB)
             t0 = time.monotonic()
             assert _text(pool.submit(ask, "c", 2, 2 * MiB).result(timeout=60)) == _expected(
                 tmp_path, "c", "c", 2
@@ -605,10 +601,7 @@ def test_the_serving_model_with_the_fewest_requests_is_suspended_first(tmp_path:
             long = {p: pool.submit(ask, "a", p, 6 * MiB) for p in ("a1", "a2")}
             srv.wait_for({"a": "awake"}, timeout_s=30)
             long["b1"] = pool.submit(ask, "b", "b1", 12 * MiB)
-            deadline = time.monotonic() + 30
-            while sum(srv.status()[m]["kv_bytes"] for m in "ab") < 20 * MiB:
-                assert time.monotonic() < deadline, srv.status()
-                time.sleep(0.1)
+            _wait_kv(srv, "ab", 20 * MiB)
             time.sleep(1.5)  # b has been awake min_awake_s: both may be suspended
             reply = pool.submit(ask, "c", "c1", 0).result(timeout=60)
             assert _text(reply) == _expected(tmp_path, "c", "c1", 40)
