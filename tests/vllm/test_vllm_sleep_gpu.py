@@ -134,3 +134,41 @@ def test_a_level_1_sleep_demoted_to_level_2_gives_the_arena_back_and_answers_ali
     llm.collective_rpc("reload_weights")
     llm.wake_up(tags=["kv_cache"])
     assert _generate(llm) == engine["tokens"]
+
+
+def test_a_sleep_that_keeps_its_requests_parks_their_kv_and_they_go_on_alike(engine: dict[str, Any]) -> None:
+    """``sleep(level=1, mode="keep")`` in the middle of a batch (what ``elastic-kv serve`` does to suspend a
+    serving model): the requests keep their blocks, the worker parks their pages in the host arena beside
+    the weights, so the device holds only the null block's page; the wake-up brings them back and the
+    requests go on without being computed again (no preemption), each with the tokens it has
+    uninterrupted."""
+    from vllm import SamplingParams
+
+    llm, arena = engine["llm"], engine["arena"]
+    params = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True, detokenize=False)
+    alone = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    from vllm.sampling_params import RequestOutputKind
+
+    streamed = params.clone()
+    streamed.output_kind = RequestOutputKind.CUMULATIVE  # each step's tokens, not only the last
+    core = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"kept-{i}", prompt, streamed)
+    outputs: dict[str, list[int]] = {}
+    while len(outputs) < len(PROMPTS):  # every request has its first tokens
+        for out in core.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    (awake,) = llm.collective_rpc("elastic_kv_info")
+    llm.sleep(level=1, mode="keep")
+    assert core.has_unfinished_requests(), "the requests ended before the sleep: nothing was kept"
+    (asleep,) = llm.collective_rpc("elastic_kv_info")
+    assert asleep["parked_bytes"] > 0 and asleep["mapped_pages"] == 1, asleep  # the null block's page
+    assert awake["live_bytes"] - asleep["live_bytes"] >= asleep["parked_bytes"], (awake, asleep)
+    assert len(arena.extents()) == 2  # the weights' copy and the KV's
+    llm.wake_up()
+    (woken,) = llm.collective_rpc("elastic_kv_info")
+    assert woken["parked_bytes"] == 0 and arena.extents() == []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    assert [outputs[f"kept-{i}"] for i in range(len(PROMPTS))] == alone

@@ -285,6 +285,14 @@ class Rank:
             del self._pools[pool]
 
     # --- engine-facing -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold every request off (they wait) while the engine changes its targets' pages beside the
+        protocol, e.g. moves their contents to host memory and back, keeping what it answers for them
+        consistent."""
+        with self._lock:
+            yield
+
     def finish_epoch(self, epoch: int) -> None:
         """The engine declares device work through ``epoch`` finished; queued unmaps now due are applied."""
         self.fence.finish(epoch)

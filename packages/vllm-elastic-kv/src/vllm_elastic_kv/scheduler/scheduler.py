@@ -62,6 +62,11 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position
     raise TypeError(f"the scheduler was constructed without {name}")
 
 
+def _keeps_requests(scheduler: Any) -> bool:
+    """The scheduler is paused keeping its requests (vLLM's ``PauseState.PAUSED_ALL``)."""
+    return getattr(getattr(scheduler, "pause_state", None), "name", "") == "PAUSED_ALL"
+
+
 class ElasticSchedulerMixin:
     """Mixed in before vLLM's scheduler class; see the module docstring."""
 
@@ -173,7 +178,18 @@ class ElasticSchedulerMixin:
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         """vLLM's ``reset_prefix_cache``; on success the pool returns its memory when idle, and this returns
-        once it is free (``sleep`` resets the prefix cache to release the KV cache's memory)."""
+        once it is free (``sleep`` resets the prefix cache to release the KV cache's memory).
+
+        Paused keeping its requests (``pause_generation(mode="keep")``, a sleep with ``mode=keep``), a reset
+        that would preempt the running requests leaves them and their blocks alone: the worker's sleep
+        parks their pages in host memory instead, and its wake-up brings them back
+        (:mod:`vllm_elastic_kv.worker.parking`), so they go on where they were rather than being computed
+        again. Only the empty reserve is returned here."""
+        reset_running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
+        if reset_running and self.running and _keeps_requests(self):  # type: ignore[attr-defined]
+            self.elastic_stall.end()
+            self.elastic_pool.settle_idle(wait=True)
+            return True
         ok = bool(super().reset_prefix_cache(*args, **kwargs))  # type: ignore[misc]
         self.elastic_stall.end()
         if ok:

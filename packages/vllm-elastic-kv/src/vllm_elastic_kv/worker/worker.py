@@ -103,8 +103,13 @@ class ElasticWorkerMixin:
         return super().execute_model(*args, **kwargs)  # type: ignore[misc]
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's ``sleep``; its closing device-wide free-memory check is not an error here (see the module
-        docstring): the memory this engine released is released, whatever its neighbours allocated."""
+        """vLLM's ``sleep``, after the KV cache's mapped pages are parked in host memory (what is mapped
+        still holds requests the scheduler kept: :mod:`vllm_elastic_kv.worker.parking`); its closing
+        device-wide free-memory check is not an error here (see the module docstring): the memory this
+        engine released is released, whatever its neighbours allocated."""
+        pool = self._elastic_pool
+        if pool is not None and pool.parking is not None:
+            pool.parking.park()
         try:
             super().sleep(level)  # type: ignore[misc]
         except AssertionError as exc:
@@ -115,6 +120,14 @@ class ElasticWorkerMixin:
                 "allocated while this one slept",
                 level,
             )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``wake_up``; with the KV cache's (every tag, or ``kv_cache``) the parked pages come back
+        before the scheduler resumes."""
+        super().wake_up(tags)  # type: ignore[misc]
+        pool = self._elastic_pool
+        if pool is not None and pool.parking is not None and (tags is None or "kv_cache" in tags):
+            pool.parking.unpark()
 
     def elastic_kv_pin_host(self) -> dict[str, Any]:
         """Page-lock the whole host arena in this worker (``collective_rpc("elastic_kv_pin_host")``, which

@@ -36,6 +36,7 @@ from vllm_elastic_kv.compat import VersionSupport
 from vllm_elastic_kv.config import PluginConfig
 from vllm_elastic_kv.layout import check_plan, check_spaces, observed_geometry, planned_spaces, pool_geometry
 from vllm_elastic_kv.worker.allocation import KVAllocation
+from vllm_elastic_kv.worker.parking import ParkingTarget, block_ranges
 
 __all__ = ["WorkerPool", "local_rank", "make_backend", "serve_locally"]
 
@@ -153,16 +154,11 @@ class _ZeroingTarget:
         optimizers use): a few kernel launches instead of one ``zero_`` per byte range, and about half the
         GPU time (``benchmarks/map_under_load.py``)."""
         geo = self._geo
-        ranges: list[torch.Tensor] = []
-        for blocks in _block_runs(geo, pages):
-            for fam in geo.families:
-                flat = self._flats[fam.space]
-                if fam.stride == fam.nbytes:  # dense: the run's blocks are one byte range
-                    lo = fam.base + blocks.start * fam.stride
-                    ranges.append(flat[lo : fam.base + blocks.stop * fam.stride])
-                else:
-                    starts = (fam.base + b * fam.stride for b in blocks)
-                    ranges.extend(flat[lo : lo + fam.nbytes] for lo in starts)
+        ranges = [
+            self._flats[space][lo:hi]
+            for run in _block_runs(geo, pages)
+            for space, lo, hi in block_ranges(geo, run)
+        ]
         if ranges:
             torch._foreach_zero_(ranges)
 
@@ -217,6 +213,7 @@ class WorkerPool:
         self.handle_pool: Any = None
         self.group: Any = None
         self._zeroing: _ZeroingTarget | None = None
+        self.parking: ParkingTarget | None = None
         self.rank: Rank | None = None
         self.listener: SocketListener | None = None
 
@@ -273,13 +270,23 @@ class WorkerPool:
         # ledger's mapped reserve already spares most map/unmap cycles.
         self.handle_pool = _vmm.HandlePool(self.backend, 0)
         self.group = _vmm.SpaceGroup(spaces, observed.extent_tuples(), observed.num_pages, self.handle_pool)
+        flats = [torch.from_dlpack(s) for s in spaces]
         target: Any = self.group
         if self._zero_on_map:
-            target = self._zeroing = _ZeroingTarget(
-                self.group, observed, [torch.from_dlpack(s) for s in spaces]
-            )
-        self.rank = Rank(self.rank_index)
-        self.rank.add_pool(target, backend=self.backend, handle_pool=self.handle_pool)
+            target = self._zeroing = _ZeroingTarget(self.group, observed, flats)
+        self.rank = rank = Rank(self.rank_index)
+        arena = None
+        if self.plugin.elastic.host_arena is not None:
+            from vllm_elastic_kv.worker.sleep import process_arena
+
+            arena = process_arena(self.plugin.elastic.host_arena)
+        owner = self.plugin.elastic.pool_name or f"vllm-{os.getpid()}"
+        # vLLM's null block (block 0) stays mapped through every sleep, as the scheduler keeps it.
+        self.parking = ParkingTarget(
+            target, self.group, observed, flats, rank.exclusive, arena=arena, owner=owner,
+            resident=frozenset({0}),
+        )  # fmt: skip
+        rank.add_pool(self.parking, backend=self.backend, handle_pool=self.handle_pool)
         assert self.plugin.instance is not None
         self.listener = SocketListener(self.rank, socket_path(self.plugin.instance, self.rank_index))
         serve_locally(self.plugin.instance, self.rank)
@@ -305,6 +312,7 @@ class WorkerPool:
             "mapped_bytes": group.mapped_bytes if group is not None else 0,
             "live_handles": self.backend.live_handles,
             "live_bytes": self.backend.live_bytes,
+            "parked_bytes": self.parking.parked_bytes if self.parking is not None else 0,
             "geometry": self.geometry.describe() if self.geometry is not None else None,
         }
 
@@ -322,5 +330,6 @@ class WorkerPool:
             # closed socket stops it) instead of reaching a closed group.
             self.rank.remove_pool(0)
         if self.group is not None:
-            (self._zeroing or self.group).close()  # the zeroing target waits for its memsets first
-            self.group = self._zeroing = None
+            # The parking target gives its host copy back; the zeroing target waits for its memsets first.
+            (self.parking or self._zeroing or self.group).close()
+            self.group = self._zeroing = self.parking = None
