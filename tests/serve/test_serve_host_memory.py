@@ -831,3 +831,53 @@ def test_a_suspended_engine_that_dies_is_started_again_and_its_kept_request_serv
         assert _text(_ask(srv, victim, "again")) == _expected(tmp_path, victim, "again")
         now = srv.status()[victim]  # awake: the dead engine's arena extent was given back
         assert now["state"] == "awake" and not now["suspended"] and now["host_bytes"] == 0, now
+
+
+def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_made_room_for(
+    tmp_path: Path,
+) -> None:
+    """Engines that park a suspension's KV in host memory (the vLLM plugin's way; the toy's
+    ``--park-keep``): its pool stays charged for it, but the device holds none of it. ``a`` serves with
+    16 MiB of KV; ``b`` is asked for a request needing 16 MiB as well, which does not fit beside ``a``
+    (40 MiB: two 15 MiB models and 10 MiB of KV, below a share floor of the weights). ``b`` suspends ``a``,
+    and the server raises the device's
+    KV budget by what ``a`` parked, so ``b``'s KV grows into it at once instead of waiting for ``a``'s turn
+    to come back; once ``b`` is idle, ``a`` wakes with room for its parked KV and goes on without giving any
+    of it back (no preemption), both answers being their weights'."""
+
+    def toy(name: str, seed: int, idle_sleep_s: float) -> dict[str, Any]:
+        model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", idle_sleep_s=idle_sleep_s)
+        model["command"] += ["--token-ms", "250", "--park-keep"]
+        model["sleep_path"] = "/sleep?level={level}&mode={mode}"
+        return model
+
+    (tmp_path / "serve").mkdir()
+    srv = ServeProcess(
+        tmp_path / "serve",
+        {"budget": "40M", "host_budget": "60M", "min_awake_s": 1, "max_suspend_s": 60, "wake_timeout_s": 120,
+         "kv_headroom": "1M", "kv_share_min_weights": 1},
+        [toy("a", 1, 0), toy("b", 2, 1)],
+    )  # fmt: skip
+    pool = ThreadPoolExecutor(2)
+    try:
+        srv.wait_for({"a": "awake", "b": "asleep"}, timeout_s=60)
+        first = pool.submit(_ask_kv, srv, "a", 40, 16 * MiB)
+        _wait_kv(srv, "a", 16 * MiB)
+        time.sleep(1.2)  # a awake past min_awake_s
+        asked = time.monotonic()
+        second = pool.submit(_ask_kv, srv, "b", 12, 16 * MiB)
+        srv.wait_for({"b": "awake"}, timeout_s=30)
+        status = srv.status()
+        assert status["a"]["suspended"] and status["a"]["parked_kv_bytes"] == 16 * MiB, status["a"]
+        assert _text(second.result(timeout=60)) == _expected(tmp_path, "b", "b", 12)
+        took = time.monotonic() - asked
+        assert took < 10.0, f"b took {took:.1f} s: it waited for a's turn, not for the KV a parked"
+        assert _text(first.result(timeout=120)) == _expected(tmp_path, "a", "a", 40)
+        status = srv.status()
+        assert [t["kind"] for t in status["a"]["transitions"]][-2:] == ["suspend", "resume"]
+        assert status["a"]["parked_kv_bytes"] == 0
+        stats = httpx.get(f"http://127.0.0.1:{status['a']['port']}/stats", timeout=10).json()
+        assert stats["suspended"] == 1 and stats["preemptions"] == 0, stats
+    finally:
+        srv.stop()
+        pool.shutdown()

@@ -20,7 +20,9 @@ owned by ``ELASTIC_KV_POOL_NAME``, then dropped), ``POST /sleep?level=2`` (dropp
 engine stays as it is), ``POST /demote`` (asleep at level 1: the extent given back, asleep at level 2 from
 then on; otherwise 409). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
 their KV back (preempted) and pause while it sleeps, then grow it again and finish after the wake-up;
-``--refuse-keep`` answers such a sleep with 409 and stays awake. ``GET /stats``: preemptions, and the
+with ``--park-keep`` they keep it instead, as the vLLM plugin parks it in host memory (its charge stays on
+the record), and the sleep answers ``{"parked_bytes": N}``; ``--refuse-keep`` answers such a sleep with 409
+and stays awake. ``GET /stats``: preemptions, and the
 requests suspended by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
 engine core can while its API server waits for clients to close their connections: ``/health`` answers 503
 from then on, and completions, sleeps and wakes wait for an answer that never comes. A completion whose
@@ -158,7 +160,7 @@ class Engine:
         self.awake.set()
 
 
-def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
+def build_app(engine: Engine, refuse_keep: bool = False, park_keep: bool = False) -> FastAPI:
     app = FastAPI()
 
     core_dead = asyncio.Event()
@@ -225,6 +227,10 @@ def build_app(engine: Engine, refuse_keep: bool = False) -> FastAPI:
         if mode == "keep":
             if refuse_keep:
                 return JSONResponse({"error": "this engine cannot keep requests asleep"}, status_code=409)
+            if park_keep:
+                engine.suspended += len(engine.running)
+                engine.sleep(level)
+                return {"level": level, "parked_bytes": sum(held[0] for held in engine.running)}
             engine.preempt_all()
         engine.sleep(level)
         return {"level": level}
@@ -254,10 +260,11 @@ def main() -> None:
     p.add_argument("--start-delay", type=float, default=0.0, help="seconds before it serves")
     p.add_argument("--token-ms", type=float, default=0.0, help="milliseconds per generated token")
     p.add_argument("--refuse-keep", action="store_true", help="answer a keep-mode sleep with 409")
+    p.add_argument("--park-keep", action="store_true", help="keep-mode sleeps park the requests' KV")
     args = p.parse_args()
     time.sleep(args.start_delay)
     engine = Engine(args.model, args.token_ms / 1000)
-    app = build_app(engine, args.refuse_keep)
+    app = build_app(engine, args.refuse_keep, args.park_keep)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

@@ -172,11 +172,13 @@ class Fleet:
                 rt.host_bytes = rt.weights_bytes if rt.sleep_level == 1 else 0
 
     def sync_budget(self) -> None:
-        """Keep each device's KV budget at *budget - weights of the models that have room for them*."""
+        """Keep each device's KV budget at *budget - weights of the models that have room for them + KV
+        parked in host memory by models that have none* (their pools stay charged for it)."""
         if self.budget_bytes is None:
             return
         weights = sum(rt.weights_bytes for rt in self.models.values() if rt.has_room)
-        self._budget.apply(self.devices, self.budget_bytes - weights)
+        parked = sum(rt.kv_bytes - rt.device_kv_bytes for rt in self.models.values())
+        self._budget.apply(self.devices, self.budget_bytes - weights + parked)
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document: the server's budgets and every model's entry."""

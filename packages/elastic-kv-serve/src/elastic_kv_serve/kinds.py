@@ -13,16 +13,18 @@ One :class:`EngineKind` per ``engine`` value of the config:
   much of the arena its level-1 sleep will take.
   ``/collective_rpc`` ``elastic_kv_demote`` turns a level-1 sleep into a level-2 one (where level 2 can
   reload the weights), giving its arena extent back. A
-  suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler, preempts the running
-  requests (their KV is freed with the rest) and keeps them queued; the wake resumes the scheduler, which
-  recomputes them.
+  suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler with its requests,
+  and the plugin parks their KV in host memory (the worker's ``elastic_kv_info`` says how much: still
+  charged on the pool's record, gone from the device); the wake maps it back and resumes the scheduler,
+  which goes on where it was.
 * ``sglang`` -- ``python -m sglang.launch_server``; sleeps where CUDA and ``torch_memory_saver`` are there
   (``--enable-memory-saver``): ``/release_memory_occupation`` and ``/resume_memory_occupation``, level 1
   only, host memory counted as its weights (SGLang keeps them itself, outside the arena).
 * ``command`` -- any OpenAI-compatible server the config starts with ``command`` (``{port}`` and
   ``{model}`` substituted); it sleeps through ``sleep_path`` / ``wake_path`` (``{level}`` substituted:
   levels 1 and 2) when both are given, and its level-1 copies are expected in the arena it finds in
-  ``ELASTIC_KV_HOST_ARENA``. A ``sleep_path`` with ``{mode}`` (``keep`` or ``abort``) can be suspended;
+  ``ELASTIC_KV_HOST_ARENA``. A ``sleep_path`` with ``{mode}`` (``keep`` or ``abort``) can be suspended
+  (a keep-mode sleep that parks its requests' KV in host memory answers ``{"parked_bytes": N}``);
   with a ``demote_path``, a level-1 sleep can be turned into a level-2 one.
 
 Where an engine cannot sleep through its API, sleeping stops its process (``stop`` mode) and waking
@@ -120,8 +122,10 @@ class EngineKind:
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
-    ) -> None:
-        """Sleep at ``level``; ``keep`` (where :meth:`can_suspend`): requests in flight resume on wake-up."""
+    ) -> int:
+        """Sleep at ``level``; ``keep`` (where :meth:`can_suspend`): requests in flight resume on wake-up.
+        Returns the KV bytes the engine parked in host memory for them (still charged on its pools, gone
+        from the device; its wake-up maps them back), 0 where it parked none."""
         raise NotImplementedError
 
     async def demote(self, client: httpx.AsyncClient, url: str, model: ModelConfig) -> None:
@@ -174,8 +178,12 @@ class VllmKind(EngineKind):
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
-    ) -> None:
+    ) -> int:
         await _post(client, f"{url}/sleep?level={level}" + ("&mode=keep" if keep else ""))
+        if not keep:
+            return 0
+        reply = await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_info"})
+        return sum(int(r.get("parked_bytes", 0)) for r in reply.json().get("results", []) if r)
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
         if level == 1:
@@ -211,8 +219,9 @@ class SglangKind(EngineKind):
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
-    ) -> None:
+    ) -> int:
         await _post(client, f"{url}/release_memory_occupation", {})
+        return 0
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
         await _post(client, f"{url}/resume_memory_occupation", {})
@@ -251,10 +260,15 @@ class CommandKind(EngineKind):
 
     async def sleep(
         self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int, keep: bool = False
-    ) -> None:
+    ) -> int:
         assert model.sleep_path is not None
         path = model.sleep_path.replace("{level}", str(level)).replace("{mode}", "keep" if keep else "abort")
-        await _post(client, url + path)
+        reply = await _post(client, url + path)
+        try:
+            body = reply.json()
+        except ValueError:
+            return 0
+        return int(body.get("parked_bytes", 0)) if keep and isinstance(body, dict) else 0
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
         assert model.wake_path is not None

@@ -26,16 +26,18 @@ the models' weights: each decode step of a model reads all of its weights whatev
 share the device's memory bandwidth serve the most tokens with the fewest of them awake, each with KV for a
 large batch, rather than many awake with little KV each.
 
-Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below
-its floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their
-engines, which resume them when they wake. As many are suspended as make room for the waking model's weights
-and, when requests wait for it, its KV share floor: room for its weights alone would let the models still
-serving take the KV that the suspension freed. Only a model awake for some time (``awake_before``) is
-suspended, lowest priority first, then the one with the fewest requests (a suspension pauses every request of
-its model: those not started yet lose their time to the first token), then the one awake longest; never a
-pinned one, one of higher priority, or one whose engine cannot keep its requests asleep. A suspended model
-wakes again once room is free, or once it has waited long enough to suspend in turn a model awake at least
-as long: serving models take turns, each awake for at least that long, and none waits without end.
+Suspension: when more models serve than fit awake (no idle model can go, and a KV share would fall below its
+floor), a model waiting to wake suspends serving ones: they sleep with their requests kept in their engines,
+which resume them when they wake (the vLLM plugin parks their KV in host memory meanwhile, so they go on where
+they were instead of being computed again; the fleet counts parked KV off the device). As many are suspended
+as make room for the waking model's weights and, when requests wait for it, its KV share floor: room for its
+weights alone would let the models still serving take the KV that the suspension freed. Only a model awake for
+some time (``awake_before``) is suspended, lowest priority first, then the one with the fewest requests (a
+suspension pauses every request of its model: those not started yet lose their time to the first token), then
+the one awake longest; never a pinned one, one of higher priority, or one whose engine cannot keep its
+requests asleep. A suspended model wakes again once room is free, or once it has waited long enough to suspend
+in turn a model awake at least as long: serving models take turns, each awake for at least that long, and none
+waits without end.
 
 Host arena: level-1 copies are kept for the models used most recently. A model going to sleep whose copy
 does not fit in the arena takes the extents of asleep models that come before it in the order *lower

@@ -48,7 +48,7 @@ class RoomMaker:
         """Put idle models to sleep (or suspend serving ones) until ``rt``'s weights and idle KV fit the
         budget; wait for models to become idle while none can go; ``ModelUnavailable`` at the deadline.
         ``wait=False``: :class:`NoRoomYet` instead of waiting (also while another model makes room)."""
-        need = rt.weights_bytes + rt.idle_kv_bytes
+        need = rt.weights_bytes + rt.wake_kv_bytes
         if not wait and self.lock.locked():
             raise NoRoomYet
         async with self.lock:

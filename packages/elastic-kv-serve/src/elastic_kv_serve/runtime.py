@@ -109,6 +109,9 @@ class ModelRuntime:
     kv_bytes: int = 0
     kv_grew_at: float = -math.inf  # monotonic time its KV was last seen larger than the reading before
     idle_kv_bytes: int = 0  # KV it held when last seen idle: what waking it needs besides its weights
+    # KV its engine parked in host memory when it was suspended: still charged on its pool's records, not
+    # on the device; its wake maps it back (0: none parked)
+    parked_kv_bytes: int = 0
     kv_limit_bytes: int | None = None  # its KV share, set as its pool's limit while KV is shared
     # Its weights count against the budget: set once room was made for them (before they load), cleared
     # when it sleeps or fails. A model that waits for room is not counted, or two models waking at once
@@ -156,9 +159,20 @@ class ModelRuntime:
         return self.host_need_bytes or self.weights_bytes
 
     @property
+    def device_kv_bytes(self) -> int:
+        """Its KV on the device, or with room reserved there: what its pools are charged, less what it
+        parked in host memory while it has no room (suspended)."""
+        return self.kv_bytes - (0 if self.has_room else min(self.parked_kv_bytes, self.kv_bytes))
+
+    @property
+    def wake_kv_bytes(self) -> int:
+        """The KV its wake needs room for besides its weights: what it held idle, or what it parked."""
+        return max(self.idle_kv_bytes, self.parked_kv_bytes)
+
+    @property
     def footprint_bytes(self) -> int:
         """What it holds (or has room reserved for) on the device now: its weights, plus its KV."""
-        return (self.weights_bytes if self.has_room else 0) + self.kv_bytes
+        return (self.weights_bytes if self.has_room else 0) + self.device_kv_bytes
 
     def set_state(self, state: State, error: str | None = None) -> None:
         """Move to ``state`` (:data:`TRANSITIONS`, else :class:`InvalidTransition`) and wake everyone
@@ -218,6 +232,7 @@ class ModelRuntime:
             "idle_sleep_s": self.idle_sleep_s,
             "weights_bytes": self.weights_bytes,
             "kv_bytes": self.kv_bytes,
+            "parked_kv_bytes": self.parked_kv_bytes,
             "kv_limit_bytes": self.kv_limit_bytes,
             "footprint_bytes": self.footprint_bytes,
             "in_flight": self.in_flight,

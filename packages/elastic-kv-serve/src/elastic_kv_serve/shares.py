@@ -48,7 +48,7 @@ class KvShares:
         if budget is None or not shared:
             return shared, None
         weights = sum(r.weights_bytes for r in fleet.models.values() if r.has_room)
-        fixed = sum(r.kv_bytes for r in fleet.models.values() if r not in shared)
+        fixed = sum(r.device_kv_bytes for r in fleet.models.values() if r not in shared)
         room = budget - weights - sum(w.weights_bytes for w in waiting) - fixed
         # Below kv_share_min a model's own requests may not fit its share (two such models would wait for
         # each other), below what a model holds idle it makes no room: wait for an idle neighbour, or take

@@ -50,14 +50,14 @@ class SleepMoves:
         t0 = time.monotonic()
         kind = kind_of(rt.config)
         async with self._host_lock:
-            await self._arena_room_for(rt)
+            await self._arena_room_for(rt, rt.kv_bytes)  # its KV parks there too, where the engine can
             level = fleet.host.level_for(kind, rt.config, rt.level_one_bytes)
             if not level:  # the host arena filled since the choice: a stop would lose its requests
                 rt.set_state(State.AWAKE)
                 return
             try:
                 suspend = kind.sleep(fleet.client, engine.url, rt.config, level, keep=True)
-                await engine.while_alive(
+                parked = await engine.while_alive(
                     fleet.client, suspend, f"sleep at level {level} keeping its requests"
                 )
             except httpx.HTTPError as exc:
@@ -72,9 +72,10 @@ class SleepMoves:
                 rt.set_state(State.AWAKE)
                 return
             rt.sleep_level = level
+            rt.parked_kv_bytes = parked
             await fleet.refresh_host()
             if level == 1 and kind.uses_arena and rt.host_bytes:
-                rt.host_need_bytes = rt.host_bytes
+                rt.host_need_bytes = max(0, rt.host_bytes - parked)  # the weights' copy; the KV's is not kept
         took = time.monotonic() - t0
         rt.record("suspend", str(level), took)
         fleet.metrics.sleep_seconds.labels(rt.name, str(level)).observe(took)
@@ -84,8 +85,8 @@ class SleepMoves:
         await fleet.refresh_kv()
         fleet.sync_budget()
         logger.info(
-            "model %s is suspended for %s (level %d, %.2f s; %d requests kept)",
-            rt.name, for_model.name, level, took, rt.in_flight,
+            "model %s is suspended for %s (level %d, %.2f s; %d requests kept, %d bytes of KV parked)",
+            rt.name, for_model.name, level, took, rt.in_flight, parked,
         )  # fmt: skip
 
     async def sleep(self, rt: ModelRuntime, reason: str) -> None:
@@ -138,14 +139,14 @@ class SleepMoves:
             took,
         )
 
-    async def _arena_room_for(self, rt: ModelRuntime) -> None:
-        """Before ``rt`` sleeps (the host lock held): if its level-1 copy does not fit in the host arena,
-        demote asleep level-1 models that come before it (:func:`elastic_kv_serve.policy.demotion_order`)
-        to level 2 until it fits. A model whose wake or start is under way is left alone; an engine that
-        refuses is not asked again until it restarts."""
+    async def _arena_room_for(self, rt: ModelRuntime, extra: int = 0) -> None:
+        """Before ``rt`` sleeps (the host lock held): if its level-1 copy (and ``extra`` bytes: the KV a
+        suspension parks) does not fit in the host arena, demote asleep level-1 models that come before it
+        (:func:`elastic_kv_serve.policy.demotion_order`) to level 2 until it fits. A model whose wake or
+        start is under way is left alone; an engine that refuses is not asked again until it restarts."""
         fleet = self.fleet
         kind = kind_of(rt.config)
-        need = rt.level_one_bytes
+        need = rt.level_one_bytes + extra
         if not kind.uses_arena or 1 not in kind.levels_for(rt.config):
             return
         if fleet.host.level_for(kind, rt.config, need) == 1:

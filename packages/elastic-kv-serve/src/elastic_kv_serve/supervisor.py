@@ -16,7 +16,9 @@ have room*, so a busy neighbour's KV never grows into room made for a model that
 
 More models serving than fit (``[server] suspend_busy``): when no idle model can make room and a KV share
 would fall below its floor, the waking model suspends serving ones (awake at least ``min_awake_s``): they
-sleep with their requests kept in their engines (:meth:`EngineKind.can_suspend`). A suspended model wakes
+sleep with their requests kept in their engines (:meth:`EngineKind.can_suspend`), their KV parked in host
+memory where the engine parks it (the device's KV budget is raised by it while they sleep, and their wake
+needs room for it). A suspended model wakes
 again once room is free, or, after ``max_suspend_s``, by suspending in turn a model awake at least as long
 (:func:`elastic_kv_serve.policy.choose_suspensions`); a wake for new requests goes first.
 
@@ -260,6 +262,7 @@ class Supervisor:
             error = f"{error} (log {log})"
         rt.sleep_level = None
         rt.suspended = False
+        rt.parked_kv_bytes = 0
         await self.fleet.reclaim()
         rt.failures += 1
         repeated = start_cause is not None and start_cause == rt.start_cause
@@ -332,6 +335,7 @@ class Supervisor:
         rt.engine = None
         rt.sleep_level = None
         rt.suspended = False
+        rt.parked_kv_bytes = 0
         await self.fleet.reclaim()
         await self.fleet.refresh_host()
 

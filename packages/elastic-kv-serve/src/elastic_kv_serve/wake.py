@@ -84,6 +84,7 @@ class WakeMoves:
                 fleet.metrics.wake_seconds.labels(rt.name, rt.sleep_mode, level).observe(took)
             rt.sleep_level = None
             rt.suspended = False
+            rt.parked_kv_bytes = 0
             rt.failures = 0
             rt.start_cause = None
             rt.touch()
@@ -106,6 +107,7 @@ class WakeMoves:
             rt.engine = EngineProcess.spawn(rt.config, rt.sleep_mode, env, fleet.log_dir)
             rt.kv_limit_bytes = None  # a new pool starts without a limit, and may take one
             rt.suspended = False  # a new process: whatever the old one kept is gone
+            rt.parked_kv_bytes = 0
             fleet.unshareable.discard(rt.name)
             fleet.unsuspendable.discard(rt.name)
             fleet.undemotable.discard(rt.name)
