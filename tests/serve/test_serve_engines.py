@@ -1,9 +1,13 @@
-"""What the server says when an engine fails to start: the line of its log that names the cause."""
+"""What the server says when an engine fails to start (the line of its log that names the cause), and the
+environment it starts an engine with."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from elastic_kv_serve.engines import cause_in_log
+from elastic_kv_serve.config import ModelConfig
+from elastic_kv_serve.engines import cause_in_log, engine_env
 
 PYDANTIC = """INFO 12-05 api_server.py:1] vLLM API server version 0.32.0
 Traceback (most recent call last):
@@ -42,3 +46,14 @@ def test_the_cause_is_the_last_exception_that_does_not_point_back(log: str, caus
 def test_the_cause_is_one_bounded_line() -> None:
     found = cause_in_log("ValueError: " + "x" * 1000 + "\n  more\n")
     assert len(found) == 300 and "\n" not in found
+
+
+def test_the_servers_engines_park_a_suspensions_kv_unless_a_model_says_otherwise(tmp_path: Path) -> None:
+    """``ELASTIC_KV_PARK_KV=1`` in every engine's environment (their weights never change while asleep), a
+    model's own ``env`` winning; the pool name and the registry always the server's."""
+    plain = ModelConfig(name="a", engine="vllm", model="/m")
+    own = ModelConfig(name="b", engine="vllm", model="/m", env={"ELASTIC_KV_PARK_KV": "0"})
+    env = engine_env(plain, tmp_path, base={"ELASTIC_KV_POOL_NAME": "x"})
+    assert env["ELASTIC_KV_PARK_KV"] == "1" and env["ELASTIC_KV_POOL_NAME"] == plain.pool_name
+    assert env["ELASTIC_KV_REGISTRY_DIR"] == str(tmp_path)
+    assert engine_env(own, tmp_path, base={})["ELASTIC_KV_PARK_KV"] == "0"

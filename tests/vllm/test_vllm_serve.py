@@ -26,7 +26,8 @@ POOL = "test-serve"
 @pytest.fixture(scope="module")
 def server(registry_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep, /wake_up, /reset_prefix_cache
+    # /sleep, /wake_up, /collective_rpc; a suspension parks its requests' KV (as under elastic-kv serve)
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1", "ELASTIC_KV_PARK_KV": "1"}
     with openai_server(registry_dir, POOL, log, "vllm-serve/server.log", dev_mode) as (_, url):
         yield url
 
@@ -162,3 +163,32 @@ def test_a_suspension_parks_the_kv_in_host_memory_and_resumes_the_requests_where
     assert all(c[-1] > paused_at + 1.0 for c in chunks)
     late = [t for c in chunks for t in c if paused_at < t < paused_at + 1.0]
     assert not late, "tokens came while the engine slept"
+
+
+def test_without_park_kv_a_suspension_preempts_its_requests_as_vllm_does(
+    registry_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's own behaviour where ``ELASTIC_KV_PARK_KV`` is not set (any engine but ``elastic-kv serve``'s,
+    whose weights might change while asleep): ``/sleep?level=1&mode=keep`` preempts the running requests,
+    the pool falls to the null block's page and nothing is parked; after the wake-up they are computed
+    again and complete with the tokens they have uninterrupted."""
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1", "ELASTIC_KV_PARK_KV": "0"}
+    log = tmp_path / "server.log"
+    with openai_server(registry_dir, POOL + "-native", log, "vllm-serve/native.log", dev_mode) as (_, url):
+        prompts = [f"{i} blocks are computed again after a preemption." for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            alone = list(pool.map(lambda p: _stream(url, p, 200, []), prompts))
+        chunks: list[list[float]] = [[] for _ in prompts]
+        with ThreadPoolExecutor(3) as pool:
+            kept = [pool.submit(_stream, url, p, 200, c) for p, c in zip(prompts, chunks, strict=True)]
+            assert wait_for(lambda: all(len(c) >= 8 for c in chunks), timeout=120)
+            requests.post(f"{url}/sleep?level=1&mode=keep", timeout=60).raise_for_status()
+            asleep = _info(url)
+            assert asleep["parked_bytes"] == 0 and asleep["mapped_pages"] == 1, asleep
+            assert not any(f.done() for f in kept)
+            requests.post(f"{url}/wake_up", timeout=60).raise_for_status()
+            resumed = [f.result(timeout=300) for f in kept]
+        assert resumed == alone
+        (pool_,) = [p for p in json.loads(kvctl(registry_dir, "list", "--json").stdout)["pools"]
+                    if p["name"] == POOL + "-native"]  # fmt: skip
+        assert pool_["snapshot"]["preemptions"] >= len(prompts)

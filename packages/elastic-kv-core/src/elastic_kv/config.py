@@ -26,6 +26,9 @@ Environment variables (all optional, prefix ``ELASTIC_KV_``)::
                                   fill) to back its first page, before it gives up (60)
     ELASTIC_KV_HOST_ARENA         a host arena file (elastic_kv.host) where the engine keeps its weights
                                   while asleep; set by ``elastic-kv serve`` (default: none)
+    ELASTIC_KV_PARK_KV            1/0: a sleep that keeps its requests parks their KV in host memory and
+                                  brings it back on wake-up, for engines whose weights do not change while
+                                  asleep; set by ``elastic-kv serve`` (0: the engine's own behaviour)
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ElasticConfig:
     pool_name: str | None = None
     start_wait_s: float = 60.0
     host_arena: Path | None = None
+    park_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size % 4096:
@@ -138,6 +142,7 @@ class ElasticConfig:
             "POOL_NAME": ("pool_name", str),
             "START_WAIT_S": ("start_wait_s", float),
             "HOST_ARENA": ("host_arena", Path),
+            "PARK_KV": ("park_kv", _parse_bool),
         }
         values: dict[str, Any] = {}
         given: dict[str, str] = {}  # field -> "VARIABLE='text'" for the fields the environment set

@@ -104,9 +104,12 @@ def engine_env(
     host_arena: Path | None = None,
 ) -> dict[str, str]:
     """The engine's environment: ``base`` (default ``os.environ``), the model's ``env``, its pool name, the
-    server's registry directory and host arena (these always win: the server finds the pool by them)."""
+    server's registry directory and host arena (these always win: the server finds the pool by them), and
+    ``ELASTIC_KV_PARK_KV=1`` unless set already: the server's engines never change their weights while
+    asleep, so a suspension parks its requests' KV instead of having them computed again."""
     env = dict(os.environ if base is None else base)
     env.update(model.env)
+    env.setdefault("ELASTIC_KV_PARK_KV", "1")
     env["ELASTIC_KV_POOL_NAME"] = model.pool_name
     env["ELASTIC_KV_REGISTRY_DIR"] = str(registry_dir)
     if host_arena is not None:

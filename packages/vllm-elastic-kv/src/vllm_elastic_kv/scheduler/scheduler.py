@@ -180,13 +180,16 @@ class ElasticSchedulerMixin:
         """vLLM's ``reset_prefix_cache``; on success the pool returns its memory when idle, and this returns
         once it is free (``sleep`` resets the prefix cache to release the KV cache's memory).
 
-        Paused keeping its requests (``pause_generation(mode="keep")``, a sleep with ``mode=keep``), a reset
-        that would preempt the running requests leaves them and their blocks alone: the worker's sleep
-        parks their pages in host memory instead, and its wake-up brings them back
-        (:mod:`vllm_elastic_kv.worker.parking`), so they go on where they were rather than being computed
-        again. Only the empty reserve is returned here."""
+        With ``park_kv`` (``elastic-kv serve`` sets it: its engines' weights never change while asleep),
+        paused keeping its requests (a sleep with ``mode=keep``), a reset that would preempt the running
+        requests leaves them and their blocks alone: the worker's sleep parks their pages in host memory
+        instead, and its wake-up brings them back (:mod:`vllm_elastic_kv.worker.parking`), so they go on
+        where they were rather than being computed again. Only the empty reserve is returned here. Without
+        it, vLLM's own behaviour: they are preempted, and computed again after the wake-up (with the weights
+        as they are then)."""
         reset_running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
-        if reset_running and self.running and _keeps_requests(self):  # type: ignore[attr-defined]
+        parks = self.elastic_pool.plugin.elastic.park_kv
+        if parks and reset_running and self.running and _keeps_requests(self):  # type: ignore[attr-defined]
             self.elastic_stall.end()
             self.elastic_pool.settle_idle(wait=True)
             return True

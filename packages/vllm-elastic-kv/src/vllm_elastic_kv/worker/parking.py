@@ -6,12 +6,14 @@ one of them is computed again from its prompt and the tokens it had generated. F
 a hundred requests of a few thousand tokens each, that is a few hundred thousand tokens of prefill before
 its next decode step, paid at every turn it takes.
 
-Parked instead: the scheduler leaves the running requests as they
-are (:meth:`vllm_elastic_kv.scheduler.scheduler.ElasticSchedulerMixin.reset_prefix_cache` while paused with
+Parked instead, with ``park_kv`` (``ELASTIC_KV_PARK_KV=1``: for engines whose weights do not change while they
+sleep, as ``elastic-kv serve`` starts them; vLLM's own behaviour above otherwise): the scheduler leaves the
+running requests as they are
+(:meth:`vllm_elastic_kv.scheduler.scheduler.ElasticSchedulerMixin.reset_prefix_cache` while paused with
 ``keep``); the worker's ``sleep`` copies the blocks of every page mapped now to host memory and unmaps the
-pages, so their memory goes back to the driver (:meth:`ParkingTarget.park`); its ``wake_up`` maps them
-again and copies the blocks back before the scheduler resumes (:meth:`ParkingTarget.unpark`). The requests
-go on from the token they had reached.
+pages, so their memory goes back to the driver (:meth:`ParkingTarget.park`); its ``wake_up`` maps them again
+and copies the blocks back before the scheduler resumes (:meth:`ParkingTarget.unpark`). The requests go on
+from the token they had reached.
 
 The ledger is not told: in its book the pages stay mapped and their charge stays on the pool's record, so
 nothing of its state changes while the engine sleeps. What it may still ask of the rank meanwhile -- a

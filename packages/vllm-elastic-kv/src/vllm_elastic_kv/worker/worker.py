@@ -103,12 +103,12 @@ class ElasticWorkerMixin:
         return super().execute_model(*args, **kwargs)  # type: ignore[misc]
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's ``sleep``, after the KV cache's mapped pages are parked in host memory (what is mapped
-        still holds requests the scheduler kept: :mod:`vllm_elastic_kv.worker.parking`); its closing
-        device-wide free-memory check is not an error here (see the module docstring): the memory this
-        engine released is released, whatever its neighbours allocated."""
+        """vLLM's ``sleep``, after the KV cache's mapped pages are parked in host memory where ``park_kv`` is
+        set (what is mapped still holds requests the scheduler kept: :mod:`vllm_elastic_kv.worker.parking`);
+        its closing device-wide free-memory check is not an error here (see the module docstring): the
+        memory this engine released is released, whatever its neighbours allocated."""
         pool = self._elastic_pool
-        if pool is not None and pool.parking is not None:
+        if pool is not None and pool.parking is not None and pool.plugin.elastic.park_kv:
             pool.parking.park()
         try:
             super().sleep(level)  # type: ignore[misc]
