@@ -11,7 +11,9 @@ sleep-mode backend. The tests run in file order on that engine:
 * level 2 (weights discarded, reloaded with ``reload_weights``) leaves the arena alone and answers alike;
 * a level-1 sleep demoted to level 2 (``elastic_kv_demote``, what ``elastic-kv serve`` does to give the
   arena to a model used more recently): the extent goes back at once, the buffers (the rotary tables, which
-  ``reload_weights`` does not restore) are kept, and level 2's wake-up answers alike.
+  ``reload_weights`` does not restore) are kept, and level 2's wake-up answers alike;
+* a sleep that keeps its requests in the middle of a batch (``ELASTIC_KV_PARK_KV=1``, as ``elastic-kv serve``
+  starts its engines): their KV parked in the arena and brought back, the same tokens, no recompute.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     arena = HostArena.create(Path("/dev/shm") / f"sleep-gpu-{os.getpid()}.arena", 256 * MiB)
     mp = pytest.MonkeyPatch()
     mp.setenv("ELASTIC_KV_HOST_ARENA", str(arena.path))
+    mp.setenv("ELASTIC_KV_PARK_KV", "1")  # as elastic-kv serve starts its engines
     try:
         with gpu_elastic_llm(registry, tiny_model(SPEC), POOL, enable_sleep_mode=True) as llm:
             yield {"llm": llm, "arena": arena, "tokens": _generate(llm)}
