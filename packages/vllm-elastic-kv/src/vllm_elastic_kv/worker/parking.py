@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -64,6 +64,23 @@ def page_ranges(geometry: BlockGeometry, pages: Sequence[int]) -> Iterator[tuple
         blocks = geometry.blocks_of(page)
         if len(blocks):
             yield from block_ranges(geometry, blocks)
+
+
+_Span = tuple[int, int, int, int]  # (space, start, stop) on the device, and the offset in the host copy
+
+
+def _merged(spans: Iterable[_Span]) -> list[_Span]:
+    """``spans`` sorted, neighbours merged: one range where both the device bytes and the host copy's are
+    contiguous (what copying page by page would split into a copy per page and family)."""
+    out: list[_Span] = []
+    for space, lo, hi, at in sorted(spans):
+        if out:
+            s, l0, h0, a0 = out[-1]
+            if s == space and h0 == lo and a0 + (h0 - l0) == at:
+                out[-1] = (s, l0, hi, a0)
+                continue
+        out.append((space, lo, hi, at))
+    return out
 
 
 class _HostCopy:
@@ -125,7 +142,7 @@ class ParkingTarget:
         self._resident = resident
         self._cuda = bool(flats) and flats[0].is_cuda
         self._parked: set[int] = set()  # pages whose blocks are in the host copy, unmapped on the device
-        self._ranges: dict[int, list[tuple[int, int, int, int]]] = {}  # page -> (space, lo, hi, at host)
+        self._ranges: dict[int, list[_Span]] = {}  # page -> its ranges and where the host copy holds them
         self._copy: _HostCopy | None = None
         self._parked_bytes = 0
         self._prepared: dict[int, tuple[list[int], bool]] = {}  # tx -> (parked pages it drops, has others)
@@ -154,13 +171,16 @@ class ParkingTarget:
             pages = [p for p in self._inner.mapped_pages() if p not in self._resident]
             if not pages:
                 return 0
-            by_page: dict[int, list[tuple[int, int, int, int]]] = {}
+            # The host copy holds the ranges in device order, space by space, so that neighbouring pages'
+            # ranges are one copy each way (_merged).
+            spans = sorted(
+                (space, lo, hi, page) for page in pages for space, lo, hi in page_ranges(self._geo, [page])
+            )
+            by_page: dict[int, list[_Span]] = {page: [] for page in pages}
             nbytes = 0
-            for page in sorted(pages):
-                by_page[page] = []
-                for space, lo, hi in page_ranges(self._geo, [page]):
-                    by_page[page].append((space, lo, hi, nbytes))
-                    nbytes += hi - lo
+            for space, lo, hi, page in spans:
+                by_page[page].append((space, lo, hi, nbytes))
+                nbytes += hi - lo
             t0 = time.perf_counter()
             try:
                 copy = _HostCopy(nbytes, self._arena, self._owner, self._cuda)
@@ -168,9 +188,8 @@ class ParkingTarget:
                 logger.warning("KV cache not parked (%d pages stay mapped): %s", len(pages), exc)
                 return 0
             try:
-                for spans in by_page.values():
-                    for space, lo, hi, at in spans:
-                        copy.buffer[at : at + hi - lo].copy_(self._flats[space][lo:hi], non_blocking=True)
+                for space, lo, hi, at in _merged(s for page in sorted(pages) for s in by_page[page]):
+                    copy.buffer[at : at + hi - lo].copy_(self._flats[space][lo:hi], non_blocking=True)
                 if self._cuda:
                     torch.cuda.synchronize(self._flats[0].device)
                 before = self._inner.mapped_bytes
@@ -206,9 +225,8 @@ class ParkingTarget:
                     time.sleep(poll_s)
             copy = self._copy
             assert copy is not None
-            for page in pages:
-                for space, lo, hi, at in self._ranges[page]:
-                    self._flats[space][lo:hi].copy_(copy.buffer[at : at + hi - lo], non_blocking=True)
+            for space, lo, hi, at in _merged(s for page in pages for s in self._ranges[page]):
+                self._flats[space][lo:hi].copy_(copy.buffer[at : at + hi - lo], non_blocking=True)
             if self._cuda:
                 torch.cuda.synchronize(self._flats[0].device)
             self._parked.clear()
