@@ -14,9 +14,9 @@ One :class:`EngineKind` per ``engine`` value of the config:
   ``/collective_rpc`` ``elastic_kv_demote`` turns a level-1 sleep into a level-2 one (where level 2 can
   reload the weights), giving its arena extent back. A
   suspension (a sleep while it serves) adds ``mode=keep``: vLLM pauses its scheduler with its requests,
-  and the plugin parks their KV in host memory (the worker's ``elastic_kv_info`` says how much: still
-  charged on the pool's record, gone from the device); the wake maps it back and resumes the scheduler,
-  which goes on where it was.
+  and the plugin parks their KV in host memory (``ELASTIC_KV_PARK_KV``, which the server sets; the worker's
+  ``elastic_kv_info`` says how much: still charged on the pool's record, gone from the device); the wake
+  maps it back and resumes the scheduler, which goes on where it was.
 * ``sglang`` -- ``python -m sglang.launch_server``; sleeps where CUDA and ``torch_memory_saver`` are there
   (``--enable-memory-saver``): ``/release_memory_occupation`` and ``/resume_memory_occupation``, level 1
   only, host memory counted as its weights (SGLang keeps them itself, outside the arena).
@@ -182,7 +182,10 @@ class VllmKind(EngineKind):
         await _post(client, f"{url}/sleep?level={level}" + ("&mode=keep" if keep else ""))
         if not keep:
             return 0
-        reply = await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_info"})
+        try:  # asleep either way: a worker that cannot say (an older plugin) parked nothing
+            reply = await _post(client, f"{url}/collective_rpc", {"method": "elastic_kv_info"})
+        except httpx.HTTPStatusError:
+            return 0
         return sum(int(r.get("parked_bytes", 0)) for r in reply.json().get("results", []) if r)
 
     async def wake(self, client: httpx.AsyncClient, url: str, model: ModelConfig, level: int) -> None:
