@@ -213,7 +213,9 @@ def _find(body: list[ast.stmt], name: str) -> _Def | None:
 
 
 def _bound_names(body: list[ast.stmt]) -> dict[str, ast.stmt]:
-    """Every name a module or class body binds -> the statement that binds it."""
+    """Every name a module or class body binds -> the statement that binds it. A ``def`` or ``class`` is
+    kept over a later assignment to its name (``X = wrap(X)``, ``X = msgspec.defstruct(..., vars(X))``): the
+    definition says more about what the name holds."""
     names: dict[str, ast.stmt] = {}
     for node in _top_level(body):
         if isinstance(node, _Def):
@@ -221,13 +223,13 @@ def _bound_names(body: list[ast.stmt]) -> dict[str, ast.stmt]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 names[alias.asname or alias.name.split(".")[0]] = node
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                for sub in ast.walk(target):
-                    if isinstance(sub, ast.Name):
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for sub in ast.walk(target):  # a, (b, c) = ...; not X.attr = ... nor d[k] = ...
+                    stored = isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)
+                    if stored and not isinstance(names.get(sub.id), _Def):
                         names[sub.id] = node
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names[node.target.id] = node
     return names
 
 
@@ -243,7 +245,8 @@ def _import_source(src: Source, module: str, node: ast.ImportFrom) -> str:
 
 
 def _resolve(src: Source, module: str, name: str, depth: int = 0) -> tuple[str, ast.stmt] | None:
-    """(module, statement) that defines ``name`` as seen from ``module``, following ``from x import``."""
+    """(module, statement) that defines ``name`` as seen from ``module``, following ``from x import y`` and
+    ``from x import *``."""
     tree = src.module(module)
     if tree is None or depth > 8:
         return None
@@ -254,7 +257,11 @@ def _resolve(src: Source, module: str, name: str, depth: int = 0) -> tuple[str, 
         if src.module(f"{origin}.{real}") is not None:
             return f"{origin}.{real}", node  # a submodule
         return _resolve(src, origin, real, depth + 1) or (origin, node)
-    return None if node is None else (module, node)
+    if node is None:
+        stars = (n for n in _top_level(tree.body) if isinstance(n, ast.ImportFrom) and n.names[0].name == "*")
+        found = (_resolve(src, _import_source(src, module, n), name, depth + 1) for n in stars)
+        return next((f for f in found if f is not None), None)
+    return module, node
 
 
 def _owner(src: Source, dotted: str) -> tuple[str, ast.Module | ast.ClassDef] | None:
@@ -303,6 +310,7 @@ def _member(
 
 
 def _self_assigned(cls: ast.ClassDef) -> set[str]:
+    """The attributes ``cls``'s methods set on ``self`` (``self.a = ...``, ``self.a, self.b = ...``)."""
     names: set[str] = set()
     for node in ast.walk(cls):
         targets: list[ast.expr] = []
@@ -311,12 +319,13 @@ def _self_assigned(cls: ast.ClassDef) -> set[str]:
         elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
             targets = [node.target]
         for target in targets:
-            if (
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-            ):
-                names.add(target.attr)
+            for sub in ast.walk(target):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                ):
+                    names.add(sub.attr)
     return names
 
 
