@@ -21,7 +21,7 @@ check for every supported release.
 
 Wheels are fetched with ``pip download --no-deps --only-binary=:all:`` for CPython 3.12 on x86-64 Linux
 into ``.cache/wheels`` (ignored by git), about 250-350 MB each; only ``vllm/**.py`` is read from the zip.
-The source is read by ``ci/compat_source.py``.
+The source is read by ``ci/compat_source.py``, which ``ci/sglang_compat_check.py`` shares.
 """
 
 from __future__ import annotations

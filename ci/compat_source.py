@@ -1,7 +1,7 @@
 """An engine release's Python source, read without installing or importing it: what the compat checks share.
 
-A compat check (``ci/compat_check.py`` for vLLM) lists the symbols its plugin relies on; this module finds
-them in a release's source and prints the result:
+``ci/compat_check.py`` (vLLM) and ``ci/sglang_compat_check.py`` (SGLang) each list the symbols their plugin
+relies on; this module finds them in a release's source and prints the result:
 
 * :class:`Source` -- the ``PACKAGE/**.py`` files of one release (its wheel, downloaded once into
   ``.cache/wheels``, or a folder), each parsed with ``ast`` on demand;
