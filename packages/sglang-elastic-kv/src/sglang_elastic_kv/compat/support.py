@@ -35,9 +35,13 @@ def _hook_problem(target: str, params: tuple[str, ...]) -> str | None:
     parameters start with ``params``)."""
     owner_name, _, name = target.rpartition(".")
     try:
-        obj = inspect.getattr_static(pkgutil.resolve_name(owner_name), name)
+        owner = pkgutil.resolve_name(owner_name)
     except Exception as exc:  # any release: a module that fails to import lacks the target too
         return f"{target}: missing ({exc})"
+    try:
+        obj = inspect.getattr_static(owner, name)
+    except AttributeError:
+        return f"{target}: missing"
     func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
     try:
         have = tuple(inspect.signature(func).parameters)  # a hook's wrapper reports the original's
