@@ -72,7 +72,9 @@ def test_unsupported_version_refuses_start_up_in_one_line(
         with pytest.raises(ConfigError) as info:
             hook(object())
         text = str(info.value)
-        assert "\n" not in text and f"sglang {version}:" in text and "supported 0.5.23" in text
+        assert (
+            "\n" not in text and f"sglang {version}:" in text and "supported engine-verified 0.5.23" in text
+        )
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)

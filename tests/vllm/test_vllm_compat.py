@@ -21,7 +21,8 @@ from elastic_kv.errors import ConfigError
 from vllm_elastic_kv import compat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci"))
-from compat_check import Source, SourceUnavailable, calls_in_order, check_release, lookup, open_source
+from compat_check import check_release
+from compat_source import Source, SourceUnavailable, calls_in_order, lookup, open_source
 
 pytestmark = pytest.mark.vllm
 
@@ -130,7 +131,7 @@ _RELEASES = [f"{e.lo[0]}.{e.lo[1]}.0" for e in compat.SUPPORT]
 @pytest.fixture(scope="module", params=_RELEASES)
 def release(request: pytest.FixtureRequest) -> tuple[compat.VersionSupport, Source]:
     try:
-        src = open_source(request.param)
+        src = open_source("vllm", request.param)
     except SourceUnavailable as exc:
         pytest.skip(
             f"vLLM {request.param} wheel unavailable offline, its source cannot be checked ({exc}); by hand: "
@@ -221,4 +222,6 @@ def test_installed_behaves_as_the_plugin_expects() -> None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
         assert calls_in_order(tree, calls), f"{module}.{qualname} no longer calls {calls} in order"
     if entry.kv_allocation == "one_buffer":
-        assert _allocates_with_zeros(open_source("installed")), "allocate_kv_cache no longer uses torch.zeros"
+        assert _allocates_with_zeros(open_source("vllm", "installed")), (
+            "allocate_kv_cache no longer uses torch.zeros"
+        )

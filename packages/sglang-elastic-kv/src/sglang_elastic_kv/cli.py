@@ -75,7 +75,7 @@ def prepare_server_args_around(original: Callable[..., Any], argv: Sequence[str]
         if config.enabled:
             config.pool_config()  # every ELASTIC_KV_* setting of the pool, checked before any spawn
             version = compat.installed_sglang_version()
-            compat.require(version)  # the version and every member the plugin relies on
+            compat.select(version)  # the version and every symbol the plugin relies on
             logger.info("elastic KV cache enabled (%s) on sglang %s", FLAG, version)
     except ConfigError as exc:
         print(f"sglang-elastic-kv: {exc}", file=sys.stderr, flush=True)

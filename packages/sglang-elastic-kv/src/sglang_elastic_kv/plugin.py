@@ -39,7 +39,7 @@ def register() -> None:
         config = PluginConfig.from_env(os.environ)
         if not config.enabled:
             return
-        seams = compat.require(compat.installed_sglang_version())
+        seams = compat.select(compat.installed_sglang_version())
     except ConfigError as exc:
         logger.error("elastic KV cache cannot start: %s", exc)
         HookRegistry.register(compat.STARTUP_GUARD, functools.partial(_refuse, exc), HookType.BEFORE)

@@ -1,10 +1,11 @@
 """Every SGLang member the plugin relies on, and the checks that find one missing.
 
 * :data:`MEMBERS`: members found on a module or class (methods, functions, classes, constants, declared
-  fields). :func:`check_members` resolves all of them at start-up (``register()`` in every SGLang process,
-  ``prepare_server_args`` in the launcher) and fails with one line naming what is missing and the
-  version. SGLang's ``HookRegistry`` only logs a hook target it cannot resolve, so without this check a
-  moved target would leave the engine silently native or half elastic.
+  fields). :func:`missing_members` resolves all of them; :func:`sglang_elastic_kv.compat.select` does at
+  start-up (``register()`` in every SGLang process, ``prepare_server_args`` in the launcher) and fails with
+  one line naming what is missing and the version. SGLang's ``HookRegistry`` only logs a hook target it
+  cannot resolve, so without this check a moved target would leave the engine silently native or half
+  elastic.
 * :data:`INSTANCE_MEMBERS`: attributes SGLang's constructors set on an instance (no class attribute to
   resolve); the plugin's subclasses call :func:`check_instance` on themselves while SGLang builds them,
   i.e. during the scheduler's start-up.
@@ -28,7 +29,7 @@ from sglang_elastic_kv.compat.versions import (
     supported_text,
 )
 
-__all__ = ["INSTANCE_MEMBERS", "MEMBERS", "check_instance", "check_members", "missing_members"]
+__all__ = ["INSTANCE_MEMBERS", "MEMBERS", "check_instance", "missing_members"]
 
 # Owner (module or class, dotted) -> the members of it the plugin hooks, subclasses, overrides, calls or
 # reads. Declared fields of dataclasses and msgspec structs resolve on the class; annotated attributes
@@ -301,22 +302,11 @@ def missing_members() -> list[str]:
     for owner_name, names in MEMBERS.items():
         try:
             owner = pkgutil.resolve_name(owner_name)
-        except (ImportError, AttributeError, ValueError):
+        except Exception:  # any release: a module that fails to import lacks its members too
             missing.append(owner_name)
             continue
         missing += [f"{owner_name}.{name}" for name in names if not _has(owner, name)]
     return missing
-
-
-def check_members(version: str) -> None:
-    """Raise ConfigError (one line: the version and every missing member) unless the installed SGLang
-    has every member of :data:`MEMBERS`."""
-    missing = missing_members()
-    if missing:
-        raise ConfigError(
-            f"--kv-cache-backend=elastic: sglang {version} lacks {', '.join(missing)}, which the plugin "
-            f"relies on (supported: {supported_text()})"
-        )
 
 
 def check_instance(obj: Any, owner: str) -> None:

@@ -1,15 +1,26 @@
-"""The SGLang versions the plugin serves and, for each, its hook targets: :data:`SUPPORTED`, :class:`Seams`.
+"""The SGLang versions the plugin serves and, for each, its hook targets: :data:`SEAMS`, :class:`Seams`.
 
-Supported versions are the ones whose engine tests ran end to end. Any other version, older or newer,
-release or post-release, is refused at start-up with one line that names it and the supported list
-(:func:`select`). A :class:`Seams` row names the dotted hook targets (``HookRegistry`` paths) of the
-versions it serves.
+Each supported version is in one :class:`Seams` row, which names the dotted hook targets (``HookRegistry``
+paths) of the versions it serves and how they were verified:
+
+* *engine-verified* (``verified="engine"``): the engine tests (``tests/sglang``) ran end to end on it;
+* *source-verified* (``verified="source"``): no engine ran on it, but every hook target (with the leading
+  parameters its hook reads, :data:`HOOK_PARAMS`), member and instance member the plugin relies on matches
+  the release's source (``ci/sglang_compat_check.py``, run for each supported version by
+  ``tests/sglang/test_sglang_compat_source.py``).
+
+The rule applied at start-up (:func:`sglang_elastic_kv.compat.select`) is the vLLM plugin's: an
+engine-verified version starts silently, a source-verified one with one warning line, any other version is
+refused in one line naming the first symbol that does not match.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from elastic_kv.errors import ConfigError
 
@@ -17,27 +28,27 @@ __all__ = [
     "ALLOC",
     "CLI_TARGETS",
     "CONFIGURATOR",
+    "HOOK_PARAMS",
     "PLATFORM",
     "POOLS",
     "SEAMS",
     "STARTUP_GUARD",
-    "SUPPORTED",
     "WEIGHT_UPDATER",
     "Seams",
     "installed_sglang_version",
-    "select",
+    "row_for",
     "supported_text",
+    "verified_versions",
 ]
-
-# The SGLang versions whose engine tests (tests/sglang) ran end to end against this plugin.
-SUPPORTED: tuple[str, ...] = ("0.5.23",)
 
 
 @dataclass(frozen=True)
 class Seams:
-    """The hook targets for the SGLang versions in ``versions`` (dotted paths for ``HookRegistry``)."""
+    """The hook targets for the SGLang versions in ``versions`` (dotted paths for ``HookRegistry``), and
+    how those versions were verified (see the module docstring)."""
 
     versions: tuple[str, ...]
+    verified: Literal["engine", "source"]
     # Platform seams: the in-tree platforms (CPU, CUDA, ROCm ...) inherit these from the base class,
     # so one AFTER hook on the base answers for every in-tree platform without choosing the platform.
     kv_pool_cls: str
@@ -67,25 +78,40 @@ class Seams:
     # The scheduler's pass without a batch: a scheduler waiting for memory sleeps there as when idle.
     on_idle: str
 
+    @property
+    def label(self) -> str:
+        """``"0.5.23"`` (or ``"0.5.23, 0.5.24"``) for messages."""
+        return ", ".join(self.versions)
+
     def targets(self) -> tuple[str, ...]:
         """Every dotted target of this row."""
-        return (
-            self.kv_pool_cls,
-            self.paged_allocator_cls,
-            self.allocator_builder,
-            self.configure,
-            self.add_cli_args,
-            self.prepare_server_args,
-            self.release_kv_cache,
-            self.release_memory,
-            self.resume_memory,
-            self.startup_guard,
-            self.scheduler_init,
-            self.hybrid_req_pool_builder,
-            self.retract_decode,
-            self.poll_aborts,
-            self.on_idle,
-        )
+        return tuple(getattr(self, field) for field in HOOK_PARAMS)
+
+    def hooked(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(dotted target, the leading parameters its hook reads) for every target of this row."""
+        return tuple((getattr(self, field), params) for field, params in HOOK_PARAMS.items())
+
+
+# Seams field -> the leading parameters of its target (``self`` included), in order, that the plugin's hook
+# reads by position (sglang_elastic_kv.hooks, cli, plugin): a target whose parameters start otherwise does
+# not match the row.
+HOOK_PARAMS: Mapping[str, tuple[str, ...]] = {
+    "kv_pool_cls": ("self", "kind"),
+    "paged_allocator_cls": ("self",),
+    "allocator_builder": ("self",),
+    "configure": ("self",),
+    "add_cli_args": ("parser",),
+    "prepare_server_args": ("argv",),
+    "release_kv_cache": ("req", "tree_cache"),
+    "release_memory": ("self", "recv_req"),
+    "resume_memory": ("self", "recv_req"),
+    "startup_guard": ("self",),
+    "scheduler_init": ("self", "server_args"),
+    "hybrid_req_pool_builder": ("self",),
+    "retract_decode": ("self",),
+    "poll_aborts": ("self",),
+    "on_idle": ("self",),
+}
 
 
 # Dotted prefixes shared by the hook targets below and the member tables (:mod:`.members`).
@@ -97,7 +123,8 @@ ALLOC = "sglang.srt.mem_cache.allocator"
 
 SEAMS: tuple[Seams, ...] = (
     Seams(
-        versions=SUPPORTED,
+        versions=("0.5.23",),
+        verified="engine",
         kv_pool_cls=f"{PLATFORM}.get_kv_pool_cls",
         paged_allocator_cls=f"{PLATFORM}.get_paged_allocator_cls",
         allocator_builder=f"{CONFIGURATOR}._build_token_to_kv_pool_allocator",
@@ -131,17 +158,34 @@ def installed_sglang_version() -> str:
         raise ConfigError("the SGLang plugin is enabled but sglang is not installed") from None
 
 
+def verified_versions(kind: Literal["engine", "source"]) -> list[str]:
+    """The versions of every row verified by ``kind``."""
+    return [version for row in SEAMS if row.verified == kind for version in row.versions]
+
+
 def supported_text() -> str:
-    return ", ".join(SUPPORTED)
+    """``"engine-verified 0.5.23"`` (``"...; source-verified 0.5.24"`` when there are such) for messages."""
+    parts = [
+        f"{kind}-verified {', '.join(verified_versions(kind))}"
+        for kind in ("engine", "source")
+        if verified_versions(kind)
+    ]
+    return "; ".join(parts)
 
 
-def select(version: str) -> Seams:
-    """The :class:`Seams` row serving SGLang ``version`` (exactly one of :data:`SUPPORTED`); ConfigError
-    naming the version and the supported list otherwise."""
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.5.23.post1"`` -> ``(0, 5, 23)``: the release number, for ordering (``()`` when there is none)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def row_for(version: str) -> Seams:
+    """The row serving SGLang ``version``; for a version without one, the row of the newest supported version
+    at or below its release number (what it is checked against), else the oldest row."""
+    version = version.strip()
     for row in SEAMS:
-        if version.strip() in row.versions:
+        if version in row.versions:
             return row
-    raise ConfigError(
-        f"--kv-cache-backend=elastic does not support sglang {version}: supported {supported_text()} "
-        "(the versions its engine tests ran); install one of them or use --kv-cache-backend=native"
-    )
+    ordered = sorted(((_release(v), row) for row in SEAMS for v in row.versions), key=lambda pair: pair[0])
+    below = [row for release, row in ordered if release <= _release(version)]
+    return below[-1] if below else ordered[0][1]
