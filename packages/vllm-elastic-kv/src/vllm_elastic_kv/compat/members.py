@@ -140,8 +140,11 @@ INSTANCE_MEMBERS: Mapping[str, tuple[str, ...]] = {
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "block_pool"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": ("block_size",),
-    # the limit's drain preempts the running requests holding blocks on draining pages (drain)
-    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests"),
+    # the limit's drain preempts the running requests holding blocks on draining pages (drain); a reset while
+    # paused keeping them leaves them their blocks where the KV is parked (scheduler)
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "running", "requests", "pause_state"),
+    "vllm.v1.core.sched.interface": ("PauseState",),
+    "vllm.v1.core.sched.interface.PauseState": ("PAUSED_ALL",),
     "vllm.v1.request.Request": ("request_id", "client_index"),
     # ... and its sleep-mode backend (elastic_kv_demote)
     "vllm.v1.worker.gpu_worker.Worker": ("vllm_config", "device", "rank", "_sleep_mode_backend"),

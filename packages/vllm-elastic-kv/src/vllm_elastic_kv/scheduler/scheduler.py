@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_elastic_kv import compat
@@ -60,11 +61,6 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position
     if position < len(args):
         return args[position]
     raise TypeError(f"the scheduler was constructed without {name}")
-
-
-def _keeps_requests(scheduler: Any) -> bool:
-    """The scheduler is paused keeping its requests (vLLM's ``PauseState.PAUSED_ALL``)."""
-    return getattr(getattr(scheduler, "pause_state", None), "name", "") == "PAUSED_ALL"
 
 
 class ElasticSchedulerMixin:
@@ -189,7 +185,8 @@ class ElasticSchedulerMixin:
         as they are then)."""
         reset_running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
         parks = self.elastic_pool.plugin.elastic.park_kv
-        if parks and reset_running and self.running and _keeps_requests(self):  # type: ignore[attr-defined]
+        keeps = self.pause_state == PauseState.PAUSED_ALL  # type: ignore[attr-defined]
+        if parks and reset_running and self.running and keeps:  # type: ignore[attr-defined]
             self.elastic_stall.end()
             self.elastic_pool.settle_idle(wait=True)
             return True
