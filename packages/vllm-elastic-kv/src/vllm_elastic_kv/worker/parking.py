@@ -141,8 +141,9 @@ class ParkingTarget:
         self._owner = owner
         self._resident = resident
         self._cuda = bool(flats) and flats[0].is_cuda
-        self._parked: set[int] = set()  # pages whose blocks are in the host copy, unmapped on the device
-        self._ranges: dict[int, list[_Span]] = {}  # page -> its ranges and where the host copy holds them
+        # The parked pages (unmapped on the device, their blocks in the host copy): each page's ranges and
+        # where the host copy holds them.
+        self._parked: dict[int, list[_Span]] = {}
         self._copy: _HostCopy | None = None
         self._parked_bytes = 0
         self._prepared: dict[int, tuple[list[int], bool]] = {}  # tx -> (parked pages it drops, has others)
@@ -151,11 +152,6 @@ class ParkingTarget:
         return getattr(self._inner, name)
 
     # -- parking ------------------------------------------------------------------------------------
-    @property
-    def parked(self) -> bool:
-        """Pages are parked now."""
-        return bool(self._parked)
-
     @property
     def parked_bytes(self) -> int:
         """Device bytes the parking gave back (0: nothing parked)."""
@@ -177,9 +173,11 @@ class ParkingTarget:
                 (space, lo, hi, page) for page in pages for space, lo, hi in page_ranges(self._geo, [page])
             )
             by_page: dict[int, list[_Span]] = {page: [] for page in pages}
+            placed: list[_Span] = []
             nbytes = 0
             for space, lo, hi, page in spans:
-                by_page[page].append((space, lo, hi, nbytes))
+                placed.append((space, lo, hi, nbytes))
+                by_page[page].append(placed[-1])
                 nbytes += hi - lo
             t0 = time.perf_counter()
             try:
@@ -188,7 +186,7 @@ class ParkingTarget:
                 logger.warning("KV cache not parked (%d pages stay mapped): %s", len(pages), exc)
                 return 0
             try:
-                for space, lo, hi, at in _merged(s for page in sorted(pages) for s in by_page[page]):
+                for space, lo, hi, at in _merged(placed):
                     copy.buffer[at : at + hi - lo].copy_(self._flats[space][lo:hi], non_blocking=True)
                 if self._cuda:
                     torch.cuda.synchronize(self._flats[0].device)
@@ -198,7 +196,7 @@ class ParkingTarget:
                 copy.release()
                 raise
             self._parked_bytes = before - self._inner.mapped_bytes
-            self._parked, self._ranges, self._copy = set(pages), by_page, copy
+            self._parked, self._copy = by_page, copy
             logger.info(
                 "KV cache parked: %d pages, %d bytes copied to host memory in %.3f s",
                 len(pages), nbytes, time.perf_counter() - t0,
@@ -211,8 +209,7 @@ class ParkingTarget:
         then raise: the requests cannot go on without their blocks."""
         with self._exclusive():
             if not self._parked:
-                self._release_copy()
-                return
+                return  # nothing parked, or every parked page dropped (its copy given back then)
             pages = sorted(self._parked)
             deadline = time.monotonic() + timeout_s
             while True:
@@ -225,28 +222,24 @@ class ParkingTarget:
                     time.sleep(poll_s)
             copy = self._copy
             assert copy is not None
-            for space, lo, hi, at in _merged(s for page in pages for s in self._ranges[page]):
+            for space, lo, hi, at in _merged(s for spans in self._parked.values() for s in spans):
                 self._flats[space][lo:hi].copy_(copy.buffer[at : at + hi - lo], non_blocking=True)
             if self._cuda:
                 torch.cuda.synchronize(self._flats[0].device)
-            self._parked.clear()
             self._release_copy()
             logger.info("KV cache unparked: %d pages", len(pages))
 
     def _release_copy(self) -> None:
+        """Nothing is parked any more: the host copy goes back."""
         if self._copy is not None:
             self._copy.release()
         self._copy = None
-        self._ranges = {}
+        self._parked = {}
         self._parked_bytes = 0
 
     def _drop(self, pages: Sequence[int]) -> list[int]:
         """Forget the parked ``pages`` among ``pages`` (their blocks are not restored); the others."""
-        rest = [p for p in pages if p not in self._parked]
-        for p in pages:
-            if p in self._parked:
-                self._parked.discard(p)
-                self._ranges.pop(p, None)
+        rest = [p for p in pages if self._parked.pop(p, None) is None]
         if not self._parked:
             self._release_copy()
         return rest
@@ -283,13 +276,12 @@ class ParkingTarget:
         return page in self._parked or bool(self._inner.is_mapped(page))
 
     def mapped_pages(self) -> list[int]:
-        return sorted(set(self._inner.mapped_pages()) | self._parked)
+        return sorted(set(self._inner.mapped_pages()).union(self._parked))
 
     @property
     def num_mapped(self) -> int:
         return int(self._inner.num_mapped) + len(self._parked)
 
     def close(self) -> None:
-        self._parked.clear()
         self._release_copy()
         self._inner.close()
