@@ -4,18 +4,19 @@
 the front end sends SIGTERM to the engine core and SIGKILLs it (and its workers) at once, so neither the
 pool record (owned by the engine core) nor the ranks' sockets (owned by the workers) are removed by their
 owners. The front end outlives them: :func:`clean_up_after_engine`, registered at activation to run at
-the front end's exit, reclaims the records whose owners are dead (the registry's own liveness rules:
-a live owner's record is never touched) and removes the sockets of this engine instance that no process
-listens on any more.
+the front end's exit, waits for its child processes to have exited (a SIGKILLed process with much memory
+takes a while to die on a loaded machine), then reclaims the records whose owners are dead (the registry's
+own liveness rules: a live owner's record is never touched) and removes the sockets of this engine
+instance that no process listens on any more.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import socket
 import time
+import weakref
 from pathlib import Path
 
 from elastic_kv.ranks import socket_path
@@ -41,16 +42,34 @@ def _stale(path: Path) -> bool:
     return False
 
 
+def _wait_for_children(deadline: float) -> None:
+    """Wait until every descendant of this process has exited (gone or a zombie), or until ``deadline``."""
+    import psutil  # vLLM's own dependency: this module runs in vLLM's front end only
+
+    children = psutil.Process().children(recursive=True)
+    while children and time.monotonic() < deadline:
+        alive = []
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(child)
+        children = alive
+        if children:
+            time.sleep(0.05)
+
+
 def clean_up_after_engine(
-    instance: str, world_size: int, registry_dir: Path | None, wait_s: float = 5.0
+    instance: str, world_size: int, registry_dir: Path | None, wait_s: float = 15.0
 ) -> None:
     """Remove engine ``instance``'s stale sockets and reclaim dead owners' records (never raises).
 
-    vLLM has just SIGKILLed the engine's processes, which may take a moment to die on a loaded machine: a
-    socket still accepting is polled for up to ``wait_s`` before it counts as another process's. The
-    records are reclaimed after that wait, so that their owners have died too."""
+    vLLM has just SIGKILLed the engine's processes, which may take seconds to die on a loaded machine: the
+    front end's child processes are waited for (up to ``wait_s``) before anything is checked, and a socket
+    still accepting after that is polled until the same deadline before it counts as another process's.
+    The records are reclaimed last, so that their owners have died too."""
     try:
         deadline = time.monotonic() + wait_s
+        _wait_for_children(deadline)
         for rank in range(world_size):
             path = socket_path(instance, rank)
             while path.exists() and not _stale(path) and time.monotonic() < deadline:
@@ -67,6 +86,17 @@ def clean_up_after_engine(
         logger.debug("elastic KV: clean-up after the engine failed", exc_info=True)
 
 
+class _Anchor:
+    """Lives as long as the process: the finalizers below run at its exit."""
+
+
+_ANCHOR = _Anchor()
+
+
 def register_clean_up(instance: str, world_size: int, registry_dir: Path | None) -> None:
-    """Run :func:`clean_up_after_engine` when this (front-end) process exits."""
-    atexit.register(clean_up_after_engine, instance, world_size, registry_dir)
+    """Run :func:`clean_up_after_engine` when this (front-end) process exits.
+
+    A finalizer rather than an ``atexit`` function: finalizers left at exit run newest first, so this one
+    (made when the engine's config is) runs after the one vLLM's engine client makes when it starts, which
+    shuts the engine down in an offline ``LLM`` that was never closed."""
+    weakref.finalize(_ANCHOR, clean_up_after_engine, instance, world_size, registry_dir)
