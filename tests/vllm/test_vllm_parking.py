@@ -14,6 +14,7 @@ from elastic_kv import _vmm
 from elastic_kv.geometry import BlockFamily, BlockGeometry
 from elastic_kv.host import HostArena
 from vllm_elastic_kv.worker.parking import ParkingTarget, page_ranges
+from vllm_elastic_kv.worker.sleep import PinnedArena
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +40,7 @@ def _target(arena: HostArena | None = None) -> Iterator[tuple[ParkingTarget, Any
     )
     group = _vmm.SpaceGroup([space], geo.extent_tuples(), geo.num_pages, _vmm.HandlePool(backend, 0))
     flat = torch.from_dlpack(space)
-    pinned = None if arena is None else _Unpinned(arena)
+    pinned = None if arena is None else PinnedArena(arena)  # on a CPU nothing is page-locked
     target = ParkingTarget(
         group,
         group,
@@ -54,13 +55,6 @@ def _target(arena: HostArena | None = None) -> Iterator[tuple[ParkingTarget, Any
         yield target, group, flat
     finally:
         target.close()
-
-
-class _Unpinned:
-    """The host arena as ``ParkingTarget`` uses it on a CPU (nothing to page-lock)."""
-
-    def __init__(self, arena: HostArena) -> None:
-        self.arena = arena
 
 
 def _fill(flat: torch.Tensor, geo_pages: range) -> None:

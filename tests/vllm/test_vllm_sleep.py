@@ -71,8 +71,8 @@ def test_the_neighbour_check_is_a_log_line_other_failures_stay(caplog: pytest.Lo
 def _config(monkeypatch: pytest.MonkeyPatch, arena: Path | None, sleep_mode: bool) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    # vLLM's own config, not yet activated
-    config = EngineArgs.create_engine_config.__wrapped__(engine_args())
+    # vLLM's own config, not yet activated (the plugin's hook unwrapped, where another test installed it)
+    config = inspect.unwrap(EngineArgs.create_engine_config)(engine_args())
     # vLLM's CPU platform refuses --enable-sleep-mode when the config is built; the flag is what activation
     # reads, so it is set on the built config.
     config.model_config.enable_sleep_mode = sleep_mode

@@ -184,9 +184,12 @@ class ElasticSchedulerMixin:
         it, vLLM's own behaviour: they are preempted, and computed again after the wake-up (with the weights
         as they are then)."""
         reset_running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
-        parks = self.elastic_pool.plugin.elastic.park_kv
-        keeps = self.pause_state == PauseState.PAUSED_ALL  # type: ignore[attr-defined]
-        if parks and reset_running and self.running and keeps:  # type: ignore[attr-defined]
+        if (
+            reset_running
+            and self.elastic_pool.plugin.elastic.park_kv
+            and self.running  # type: ignore[attr-defined]
+            and self.pause_state == PauseState.PAUSED_ALL  # type: ignore[attr-defined]
+        ):
             self.elastic_stall.end()
             self.elastic_pool.settle_idle(wait=True)
             return True

@@ -96,9 +96,7 @@ class _HostCopy:
                 raise MemoryError(f"the host arena {store.path} has no room for {nbytes} bytes")
             if pinned:
                 arena.pin_extent(self.extent)
-            self.buffer = torch.frombuffer(
-                store.data(), dtype=torch.uint8, count=nbytes, offset=self.extent.offset
-            )
+            self.buffer = arena.view(self.extent)[:nbytes]
         else:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 

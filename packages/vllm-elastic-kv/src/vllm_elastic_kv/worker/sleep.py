@@ -88,6 +88,10 @@ class PinnedArena:
         """:meth:`pin` the bytes of ``extent``."""
         return self.pin(self.arena.address(extent), extent.size)
 
+    def view(self, extent: Extent) -> torch.Tensor:
+        """The bytes of ``extent`` as one flat ``uint8`` tensor over the arena's memory (no copy)."""
+        return torch.frombuffer(self.arena.data(), dtype=torch.uint8, count=extent.size, offset=extent.offset)
+
     def pin_all(self) -> float:
         """:meth:`pin` the whole data region (about 14 GiB/s the first time in a process): every later sleep
         of this process then only copies."""
@@ -224,9 +228,7 @@ class ElasticSleepBackend(CuMemBackend):
         t0 = time.perf_counter()
         try:
             pin_s = self._arena.pin_extent(extent)
-            host = torch.frombuffer(
-                self._arena.arena.data(), dtype=torch.uint8, count=extent.size, offset=extent.offset
-            )
+            host = self._arena.view(extent)
             base, at, copies = host.data_ptr(), 0, []
             for data in kept:
                 size = data.handle[1]
