@@ -36,6 +36,7 @@ __all__ = [
     "prism_slo",
     "render_markdown",
     "summarize",
+    "suspensions",
     "swap_times",
 ]
 
@@ -190,6 +191,24 @@ def swap_times(final_status: Mapping[str, Any] | None) -> dict[str, list[float]]
     return out
 
 
+def suspensions(final_status: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What the sleep set-up's suspensions kept: how many there were, the requests their engines kept, the
+    KV bytes parked in host memory at each (``parked``) and how many of those that kept requests parked
+    none (their requests are computed again after the resume). ``None`` where none was recorded."""
+    rows = [t for m in (final_status or {}).get("models", []) for t in m.get("transitions", [])
+            if t["kind"] == "suspend"]  # fmt: skip
+    if not rows:
+        return None
+    parked = [int(t.get("parked_bytes", 0)) for t in rows]
+    kept = [int(t.get("kept", 0)) for t in rows]
+    return {
+        "count": len(rows),
+        "kept": sum(kept),
+        "parked": parked,
+        "unparked": sum(1 for k, b in zip(kept, parked, strict=True) if k and not b),
+    }
+
+
 def memory_demand(
     outcomes: Sequence[Mapping[str, Any]],
     model_bytes: int,
@@ -291,6 +310,15 @@ def render_markdown(results: Mapping[str, Any]) -> str:
                     f"| {titles[kind]} | {len(values)} | {_fmt(_pct(values, 50))} | "
                     f"{_fmt(_pct(values, 99))} | {_fmt(max(values))} |"
                 )
+    kept = suspensions(setups.get("sleep", {}).get("final_status"))
+    if kept is not None:
+        parked = kept["parked"]
+        lines += ["", (
+            f"Suspensions: {kept['count']}, keeping {kept['kept']} requests; KV parked in host memory "
+            f"{format_bytes(sum(parked))} in all (p50 {format_bytes(int(_pct(parked, 50) or 0))}, max "
+            f"{format_bytes(max(parked))} a suspension); {kept['unparked']} kept requests but parked no KV "
+            "(those requests are computed again after the resume)."
+        )]  # fmt: skip
     plots = results.get("plots", [])
     if plots:
         lines += ["", "KV memory per model over time: " + ", ".join(f"`{p}`" for p in plots)]

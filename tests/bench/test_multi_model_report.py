@@ -15,6 +15,7 @@ from benchmarks.multimodel.report import (
     prism_slo,
     render_markdown,
     summarize,
+    suspensions,
     swap_times,
 )
 
@@ -102,12 +103,17 @@ def test_prism_slo_per_model_and_swap_times() -> None:
                          {"kind": "wake", "level": "1", "seconds": 0.9}]},
         {"transitions": [{"kind": "sleep", "level": "stop", "seconds": 2.0},
                          {"kind": "wake", "level": "cold", "seconds": 50.0},
-                         {"kind": "suspend", "level": "1", "seconds": 0.3},
+                         {"kind": "suspend", "level": "1", "seconds": 0.3, "kept": 5,
+                          "parked_bytes": 3 << 30},
+                         {"kind": "resume", "level": "1", "seconds": 0.5},
+                         {"kind": "suspend", "level": "1", "seconds": 0.2, "kept": 2, "parked_bytes": 0},
                          {"kind": "resume", "level": "1", "seconds": 0.5},
                          {"kind": "demote", "level": "2", "seconds": 0.01}]},
     ]}  # fmt: skip
-    assert swap_times(status) == {"wake": [0.9], "resume": [0.5], "cold": [40.0, 50.0], "sleep": [0.4],
-                                  "suspend": [0.3], "stop": [2.0], "demote": [0.01]}  # fmt: skip
+    assert swap_times(status) == {"wake": [0.9], "resume": [0.5, 0.5], "cold": [40.0, 50.0], "sleep": [0.4],
+                                  "suspend": [0.3, 0.2], "stop": [2.0], "demote": [0.01]}  # fmt: skip
+    assert suspensions(status) == {"count": 2, "kept": 7, "parked": [3 << 30, 0], "unparked": 1}
+    assert suspensions({"models": [{"transitions": []}]}) is None
     results = {
         "device": "cuda", "models": 2, "model_names": ["a", "b"], "trace": "t", "slo": "s",
         "prism_slo": prism.describe(),
@@ -117,6 +123,8 @@ def test_prism_slo_per_model_and_swap_times() -> None:
     text = render_markdown(results)
     assert "| sleep | 66.7 % | 33.3 % |" in text and "| a | 2 | 100 / 50 % |" in text
     assert "| swap (wake from level 1/2, room made included) | 1 | 0.90 | 0.90 | 0.90 |" in text
+    assert "Suspensions: 2, keeping 7 requests; KV parked in host memory 3.00 GiB in all" in text
+    assert "; 1 kept requests but parked no KV" in text
 
 
 def test_late_first_tokens_split_by_whether_their_model_was_down_while_they_waited() -> None:

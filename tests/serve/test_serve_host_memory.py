@@ -874,7 +874,9 @@ def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_m
         assert took < 10.0, f"b took {took:.1f} s: it waited for a's turn, not for the KV a parked"
         assert _text(first.result(timeout=120)) == _expected(tmp_path, "a", "a", 40)
         status = srv.status()
-        assert [t["kind"] for t in status["a"]["transitions"]][-2:] == ["suspend", "resume"]
+        suspend, resume = status["a"]["transitions"][-2:]
+        assert (suspend["kind"], resume["kind"]) == ("suspend", "resume")
+        assert (suspend["kept"], suspend["parked_bytes"]) == (1, 16 * MiB), suspend
         assert status["a"]["parked_kv_bytes"] == 0
         stats = httpx.get(f"http://127.0.0.1:{status['a']['port']}/stats", timeout=10).json()
         assert stats["suspended"] == 1 and stats["preemptions"] == 0, stats

@@ -86,10 +86,13 @@ class Transition:
     seconds: float  # the whole transition, as the request that waited for it saw it
     room_seconds: float  # of which: putting other models to sleep to make room (wakes and starts)
     at: float  # wall-clock time it ended
+    kept: int = 0  # a suspension: the requests its engine kept
+    parked_bytes: int = 0  # a suspension: the KV its engine parked in host memory for them
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "level": self.level, "seconds": round(self.seconds, 4),
-                "room_seconds": round(self.room_seconds, 4), "at": self.at}  # fmt: skip
+                "room_seconds": round(self.room_seconds, 4), "at": self.at, "kept": self.kept,
+                "parked_bytes": self.parked_bytes}  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -199,9 +202,18 @@ class ModelRuntime:
             return False
         return True
 
-    def record(self, kind: str, level: str, seconds: float, room_seconds: float = 0.0) -> None:
+    def record(
+        self,
+        kind: str,
+        level: str,
+        seconds: float,
+        room_seconds: float = 0.0,
+        *,
+        kept: int = 0,
+        parked: int = 0,
+    ) -> None:
         """Remember one transition (``/status`` shows them; wake and sleep times feed the quantiles)."""
-        self.transitions.append(Transition(kind, level, seconds, room_seconds, time.time()))
+        self.transitions.append(Transition(kind, level, seconds, room_seconds, time.time(), kept, parked))
         if kind in ("wake", "resume"):
             self.wakes += 1
             self.wake_seconds.append(seconds)

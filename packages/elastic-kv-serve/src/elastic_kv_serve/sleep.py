@@ -77,7 +77,7 @@ class SleepMoves:
             if level == 1 and kind.uses_arena and rt.host_bytes:
                 rt.host_need_bytes = max(0, rt.host_bytes - parked)  # the weights' copy; the KV's is not kept
         took = time.monotonic() - t0
-        rt.record("suspend", str(level), took)
+        rt.record("suspend", str(level), took, kept=rt.in_flight, parked=parked)
         fleet.metrics.sleep_seconds.labels(rt.name, str(level)).observe(took)
         rt.suspended = True
         rt.suspended_since = time.monotonic()
