@@ -45,18 +45,8 @@ from compat_source import main as check_main
 
 use_checkout("elastic-kv-core", "vllm-elastic-kv")
 
-from vllm_elastic_kv.compat import (  # noqa: E402
-    ADDED_ATTRIBUTES,
-    CPU_MEMBERS,
-    INSTANCE_MEMBERS,
-    MEMBERS,
-    MEMBERS_BY_ALLOCATION,
-    PROBED,
-    Target,
-    VersionSupport,
-    nearest_entry,
-    parse_version,
-)
+from vllm_elastic_kv import compat  # noqa: E402
+from vllm_elastic_kv.compat import Target, VersionSupport  # noqa: E402
 
 __all__ = ["check_release", "main"]
 
@@ -85,16 +75,16 @@ def symbols(entry: VersionSupport) -> Iterator[tuple[str, str, bool, object]]:
         yield str(target), target.kind, True, target
     module, _, func = entry.get_kv_cache_configs.partition(":")
     yield f"{module}.{func}", "function", True, Target(module, func)
-    for table in (MEMBERS, CPU_MEMBERS, MEMBERS_BY_ALLOCATION[entry.kv_allocation]):
+    for table in (compat.MEMBERS, compat.CPU_MEMBERS, compat.MEMBERS_BY_ALLOCATION[entry.kv_allocation]):
         for owner, names in table.items():
             for name in names:
                 yield f"{owner}.{name}", "member", True, ("member", f"{owner}.{name}")
-    for owner, names in INSTANCE_MEMBERS.items():
+    for owner, names in compat.INSTANCE_MEMBERS.items():
         for name in names:
             yield f"{owner}.{name}", "instance member", True, ("instance", f"{owner}.{name}")
-    for owner in ADDED_ATTRIBUTES:
+    for owner in compat.ADDED_ATTRIBUTES:
         yield owner, "takes attributes", True, ("settable", owner)
-    for dotted in PROBED:
+    for dotted in compat.PROBED:
         yield dotted, "probed member", False, ("instance", dotted)
 
 
@@ -111,7 +101,7 @@ def _state(src: Source, how: object) -> State:
 def check_release(src: Source, reference: Source | None = None) -> tuple[VersionSupport, list[Row]]:
     """The entry that serves ``src``'s release (:func:`~vllm_elastic_kv.compat.nearest_entry`: the one
     covering it, else the newest one below it) and one :class:`Row` per symbol it relies on."""
-    entry = nearest_entry(parse_version(src.version))
+    entry = compat.nearest_entry(compat.parse_version(src.version))
     rows = [
         Row(symbol, kind, _state(src, how), _state(reference, how) if reference else None, required)
         for symbol, kind, required, how in symbols(entry)

@@ -47,6 +47,7 @@ class ElasticKVPool:
     plugin_config: PluginConfig | None = None
     allocation_label: str | None  # set by SGLang's KVCache constructor
     device: str  # likewise
+    memory_saver_adapter: Any  # likewise (``--enable-memory-saver``)
     # Token slots one ledger block covers (the page size, or the token chunk at page_size 1).
     rows_per_block: int = 0
     # The in-tree method that carves this pool's buffers (the seam overridden below), for error messages.
@@ -99,7 +100,17 @@ class ElasticKVPool:
         label = self.allocation_label
         return str(label).lower() if label else None
 
-    def _refuse_unless_plain(self, *, what: str, checks: dict[str, bool]) -> None:
+    def _refuse_unless_plain(
+        self, *, what: str, custom_mem_pool: bool, checks: dict[str, bool] | None = None
+    ) -> None:
+        """ConfigError naming every feature this pool cannot serve that is on: ``checks`` (description ->
+        on), then the memory saver and ``custom_mem_pool`` (a custom NVLink memory pool), which no elastic
+        pool serves."""
+        checks = {
+            **(checks or {}),
+            "--enable-memory-saver": self.memory_saver_adapter.enabled,
+            "a custom NVLink memory pool": custom_mem_pool,
+        }
         bad = [name for name, present in checks.items() if present]
         if bad:
             raise ConfigError(
@@ -117,12 +128,11 @@ class ElasticMHATokenToKVPool(ElasticKVPool, MHATokenToKVPool):
         compat.check_instance(self, "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool")
         self._refuse_unless_plain(
             what="MHA KV pool",
+            custom_mem_pool=bool(self.enable_custom_mem_pool),
             checks={
                 "a quantized KV cache": self.is_quantized_kv_cache,
                 "post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING)": self.post_capture_active,
                 f"the {self.kv_cache_layout!r} layout (only 'nhd')": self.kv_cache_layout != "nhd",
-                "--enable-memory-saver": self.memory_saver_adapter.enabled,
-                "a custom NVLink memory pool": bool(self.enable_custom_mem_pool),
             },
         )
         super()._create_buffers()
@@ -182,13 +192,7 @@ class ElasticMLATokenToKVPool(ElasticKVPool, MLATokenToKVPool):
 
     def _create_buffers(self) -> None:
         compat.check_instance(self, "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool")
-        self._refuse_unless_plain(
-            what="MLA KV pool",
-            checks={
-                "--enable-memory-saver": self.memory_saver_adapter.enabled,
-                "a custom NVLink memory pool": bool(self.custom_mem_pool),
-            },
-        )
+        self._refuse_unless_plain(what="MLA KV pool", custom_mem_pool=bool(self.custom_mem_pool))
         config, rows, rpb = self._elastic_setup(self.size, self.page_size)
         item = self.store_dtype.itemsize
         row = item * self.kv_cache_dim

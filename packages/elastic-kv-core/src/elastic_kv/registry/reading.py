@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic_kv.registry.layout import (
@@ -119,15 +119,8 @@ class DeviceInfo:
     pools: tuple[str, ...]
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "device": self.device,
-            "budget_bytes": self.budget_bytes,
-            "budget_revision": self.budget_revision,
-            "total_bytes": self.total_bytes,
-            "charged_bytes": self.charged_bytes,
-            "pools": list(self.pools),
-        }
+        """A JSON-ready dict of every field, in field order."""
+        return {**asdict(self), "pools": list(self.pools)}
 
 
 def _decode_stats(name: str, raw: bytes) -> tuple[PoolSnapshot | None, tuple[LatencyHistogram, ...]]:
