@@ -40,7 +40,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.support.models import tiny_model  # noqa: E402
-from tests.support.processes import stop_process  # noqa: E402
+from tests.support.processes import stop_process, wait_healthy  # noqa: E402
 
 logger = logging.getLogger("vllm_demo")
 
@@ -93,24 +93,13 @@ class Server:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        import requests
-
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            waited = time.monotonic() - start
+        def waiting(seconds: float) -> None:
             if sys.stdout.isatty():
-                print(f"\r  starting vLLM ... {waited:4.0f} s", end="", flush=True)
-            elif int(waited) % 10 == 0:
-                print(f"  starting vLLM ... {waited:4.0f} s", flush=True)
-            time.sleep(1.0)
-        raise TimeoutError(f"the server did not come up in {timeout:.0f} s; see {self.log}")
+                print(f"\r  starting vLLM ... {seconds:4.0f} s", end="", flush=True)
+            elif int(seconds) % 10 == 0:
+                print(f"  starting vLLM ... {seconds:4.0f} s", flush=True)
+
+        wait_healthy(self.proc, self.url, self.log, timeout, waiting=waiting)
 
     def resident_shared_bytes(self) -> int:
         """Resident shared memory of the server's process tree: the host backend's memfd pages (the KV

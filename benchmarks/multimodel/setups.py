@@ -232,20 +232,6 @@ class ElasticSetup(_Engines):
         shutil.rmtree(self.registry, ignore_errors=True)
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML for {value!r}")
-
-
 class SleepSetup:
     """``elastic-kv serve --config`` over every model, with sleep and wake (see the module docstring)."""
 
@@ -273,6 +259,8 @@ class SleepSetup:
         footprints plus the KV total: at most ``awake`` models fit awake at once, and with that many awake
         the KV they share is the KV total, as in the other set-ups.
         """
+        from tests.support.serve import config_text  # elastic_kv_serve's: the sleep set-up needs it
+
         plan = self.plan
         if plan.device == "cpu":
             assert plan.kv_total is not None
@@ -309,7 +297,7 @@ class SleepSetup:
         if plan.host_arena_dir is not None:
             server["host_arena_dir"] = str(plan.host_arena_dir)
         server.update(plan.serve_options)
-        lines = ["[server]"] + [f"{k} = {_toml(v)}" for k, v in server.items()]
+        models: list[dict[str, Any]] = []
         for name in plan.names:
             model: dict[str, Any] = {
                 "name": name,
@@ -321,9 +309,9 @@ class SleepSetup:
             }
             if env:
                 model["env"] = dict(env)
-            lines += ["", "[[models]]"] + [f"{k} = {_toml(v)}" for k, v in model.items()]
+            models.append(model)
         self.weights_bytes, self.budget_bytes = weights, budget
-        return "\n".join(lines) + "\n", budget
+        return config_text(server, models), budget
 
     def start(self) -> None:
         plan = self.plan

@@ -31,29 +31,37 @@ def deferred() -> Iterator[tuple[Pool, BudgetRecord]]:
     pool.close()
 
 
-def _requests(pool: Pool) -> dict[str, list[int]]:
-    """Three 'requests' of whole pages: a on pages 0-1 (page 0 holds the null block), b on 2-3, c on 4."""
+Running = tuple[Pool, BudgetRecord, dict[str, list[int]]]
+
+
+@pytest.fixture
+def running(deferred: tuple[Pool, BudgetRecord]) -> Running:
+    """The ``deferred`` pool and its record, with three 'requests' of whole pages: a on pages 0-1 (page 0
+    holds the null block), b on 2-3, c on 4."""
+    pool, record = deferred
     led = pool.ledger
     reqs = {"a": led.alloc(7), "b": led.alloc(8), "c": led.alloc(4)}
     assert all(v is not None for v in reqs.values())
-    return {k: v or [] for k, v in reqs.items()}
+    return pool, record, {k: v or [] for k, v in reqs.items()}
+
+
+def _set_limit(record: BudgetRecord, pages: int) -> None:
+    """What ``kvctl limit`` does: the pool's limit in its record becomes ``pages`` pages (0: none)."""
+    record.limit_bytes, record.limit_changed = pages * PAGE_BYTES, True
 
 
 def _pages(pool: Pool, blocks: list[int]) -> set[int]:
     return {pool.ledger.geometry.page_of(b) for b in blocks}
 
 
-def test_a_preempted_requests_blocks_are_not_handed_to_the_others(
-    deferred: tuple[Pool, BudgetRecord],
-) -> None:
-    pool, record = deferred
+def test_a_preempted_requests_blocks_are_not_handed_to_the_others(running: Running) -> None:
+    pool, record, reqs = running
     led = pool.ledger
-    reqs = _requests(pool)
     assert _pages(pool, reqs["c"]) == {4} and _pages(pool, reqs["b"]) == {2, 3}
     on_two = [b for b in reqs["b"] if led.geometry.page_of(b) == 2]
     led.free(on_two[:1])  # b's page 2 has one free block: the partly used page
     reqs["b"].remove(on_two[0])
-    record.limit_bytes, record.limit_changed = 4 * PAGE_BYTES, True
+    _set_limit(record, 4)
     led.maintain()  # kvctl's limit arrives; 5 pages backed: one must go
     assert record.published[-1].state is PoolState.SHRINKING
     assert led.draining_pages() == [2]  # the fewest live blocks (3): the cheapest page to vacate
@@ -79,13 +87,10 @@ def test_a_preempted_requests_blocks_are_not_handed_to_the_others(
     check_invariants(pool, {*reqs["a"], *reqs["c"], *grown})
 
 
-def test_lifting_the_limit_mid_drain_puts_the_pages_back_in_service(
-    deferred: tuple[Pool, BudgetRecord],
-) -> None:
-    pool, record = deferred
+def test_lifting_the_limit_mid_drain_puts_the_pages_back_in_service(running: Running) -> None:
+    pool, record, reqs = running
     led = pool.ledger
-    reqs = _requests(pool)
-    record.limit_bytes, record.limit_changed = 3 * PAGE_BYTES, True
+    _set_limit(record, 3)
     led.maintain()
     draining = led.draining_pages()
     assert len(draining) == 2 and 0 not in draining
@@ -94,7 +99,7 @@ def test_lifting_the_limit_mid_drain_puts_the_pages_back_in_service(
     led.free(reqs.pop(victim))  # a draining page empties, withheld until its epoch ends
     withheld = [p for p in draining if led.page_state(p) == "withheld"]
     assert withheld
-    record.limit_bytes, record.limit_changed = 0, True
+    _set_limit(record, 0)
     led.maintain()
     assert record.published[-1].state is PoolState.ACTIVE
     assert led.draining_pages() == [] and led.snapshot().draining_pages == 0
@@ -105,10 +110,9 @@ def test_lifting_the_limit_mid_drain_puts_the_pages_back_in_service(
     check_invariants(pool, {b for v in reqs.values() for b in v} | set(again))
 
 
-def test_raising_the_limit_above_the_charge_ends_the_drain(deferred: tuple[Pool, BudgetRecord]) -> None:
-    pool, _ = deferred
+def test_raising_the_limit_above_the_charge_ends_the_drain(running: Running) -> None:
+    pool, _, reqs = running
     led = pool.ledger
-    reqs = _requests(pool)
     led.resize(4 * PAGE_BYTES)
     assert len(led.draining_pages()) == 1
     led.resize(5 * PAGE_BYTES)  # exactly what is backed: no longer over

@@ -142,6 +142,12 @@ BudgetMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=
 TestBudgetMachine = BudgetMachine.TestCase
 
 
+def _answer(command: str, key: str) -> property:
+    """A read-only attribute of a :class:`_RemoteRecord`: ``key`` of its worker's answer to ``command``,
+    asked at every read."""
+    return property(lambda record: int(record.worker.send(command)[key]))
+
+
 class _RemoteRecord:
     """The part of :class:`PoolRecord` the machine uses, for a record owned by a ``pool_worker`` process."""
 
@@ -156,21 +162,10 @@ class _RemoteRecord:
         if not reply["ok"]:
             raise ValueError(reply["error"])
 
-    @property
-    def charged_bytes(self) -> int:
-        return int(self.worker.send("state")["charged"])
-
-    @property
-    def limit_bytes(self) -> int:
-        return int(self.worker.send("state")["limit"])
-
-    @property
-    def budget_bytes(self) -> int:
-        return int(self.worker.send("state")["budget"])
-
-    @property
-    def headroom_bytes(self) -> int:
-        return int(self.worker.send("headroom")["headroom"])
+    charged_bytes = _answer("state", "charged")
+    limit_bytes = _answer("state", "limit")
+    budget_bytes = _answer("state", "budget")
+    headroom_bytes = _answer("headroom", "headroom")
 
     def poll(self) -> RecordEvents:
         reply = self.worker.send("poll")

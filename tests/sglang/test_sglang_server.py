@@ -19,7 +19,7 @@ from elastic_kv_serve.engines import free_port
 
 from tests.support import engine_logs
 from tests.support.models import REPO_ROOT
-from tests.support.processes import stop_process
+from tests.support.processes import stop_process, wait_healthy
 from tests.support.sglang_engine import LOG_DIR, engine_environ, kvctl, plugin_installed
 
 pytestmark = [
@@ -55,17 +55,7 @@ class Server:
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout_s} s:\n{self.log_tail()}")
+        wait_healthy(self.proc, self.url, self.log_path, timeout_s)
 
     def log_tail(self, lines: int = 40) -> str:
         return engine_logs.tail(self.log_path, lines)

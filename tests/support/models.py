@@ -42,18 +42,26 @@ _CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape of a tiny Llama; head size = hidden_size // num_attention_heads (CPU attention: 32, 64, ...)."""
+class TinySpec:
+    """What the tiny models with the tiny Llama's tokenizer share: its vocabulary, their width, attention
+    heads, context and weight seed. Each model's spec adds its own fields."""
 
-    name: str = "tiny-llama"
+    name: str = ""
     vocab_size: int = 1024
     hidden_size: int = 128
     intermediate_size: int = 256
-    num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class TinyModelSpec(TinySpec):
+    """Shape of a tiny Llama; head size = hidden_size // num_attention_heads (CPU attention: 32, 64, ...)."""
+
+    name: str = "tiny-llama"
+    num_hidden_layers: int = 2
 
 
 def tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path | None = None) -> Path:

@@ -59,11 +59,17 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"no TOML literal for {value!r}")
 
 
-def write_config(path: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> Path:
+def config_text(server: dict[str, Any], models: list[dict[str, Any]]) -> str:
+    """An ``elastic-kv serve`` config in TOML: the ``[server]`` table and one ``[[models]]`` table a model
+    (for the server's tests, the demo and the multi-model benchmark's sleep set-up)."""
     lines = ["[server]", *(f"{k} = {toml_value(v)}" for k, v in server.items())]
     for model in models:
         lines += ["", "[[models]]", *(f"{k} = {toml_value(v)}" for k, v in model.items())]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_config(path: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> Path:
+    path.write_text(config_text(server, models))
     return path
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.models import REPO_ROOT, TOKEN_IDS, cached_model, save_random_model, tiny_model
+from tests.support.models import REPO_ROOT, TOKEN_IDS, TinySpec, cached_model, save_random_model, tiny_model
 
 # The test-only SGLang plugin that corrects SGLang 0.5.23's CPU attention for SWA pools (see its module
 # docstring). Its directory goes on an SWA engine's PYTHONPATH, native and elastic engines alike.
@@ -27,15 +27,10 @@ SWA_ENGINE_ENV = {"PYTHONPATH": str(CPU_FIXES)}
 
 
 @dataclass(frozen=True)
-class TinySWASpec:
+class TinySWASpec(TinySpec):
     """Shape of a tiny Laguna: ``layer_types`` mixes sliding-window and full attention layers."""
 
     name: str = "tiny-laguna-swa"
-    vocab_size: int = 1024  # the tiny Llama's tokenizer
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
     head_dim: int = 32
     # Three sliding-window layers per full one (the common hybrid ratio); the window is small so that
     # test prompts outgrow it and SGLang frees out-of-window tokens while decoding.
@@ -43,8 +38,6 @@ class TinySWASpec:
         default=("sliding_attention", "sliding_attention", "sliding_attention", "full_attention")
     )
     sliding_window: int = 32
-    max_position_embeddings: int = 2048
-    seed: int = 0
 
 
 # Every layer sliding: SGLang serves it with ``PureSWATokenToKVPoolAllocator`` (page_size 1). The window
@@ -91,18 +84,14 @@ GDN_ENGINE_ENV = {"PYTHONPATH": str(CPU_GDN), "SGLANG_MAMBA_CONV_DTYPE": "float3
 
 
 @dataclass(frozen=True)
-class TinyGDNSpec:
+class TinyGDNSpec(TinySpec):
     """Shape of a tiny Qwen3-Next: gated-delta-net (linear attention) layers and one full-attention layer
     every ``full_attention_interval``; MoE MLPs with a gated shared expert, as SGLang builds every Qwen3-Next
     layer. SGLang runs it on the CPU with the GDN kernels of the ``sgl_kernel`` stand-in."""
 
     name: str = "tiny-qwen3-next"
-    vocab_size: int = 1024  # the tiny Llama's tokenizer
-    hidden_size: int = 128
     num_hidden_layers: int = 4
     full_attention_interval: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
     head_dim: int = 32
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
@@ -113,9 +102,6 @@ class TinyGDNSpec:
     num_experts_per_tok: int = 1
     moe_intermediate_size: int = 64
     shared_expert_intermediate_size: int = 64
-    intermediate_size: int = 256
-    max_position_embeddings: int = 2048
-    seed: int = 0
 
 
 def tiny_gdn_model(spec: TinyGDNSpec = TinyGDNSpec(), cache_dir: Path | None = None) -> Path:

@@ -28,7 +28,7 @@ from elastic_kv.registry import DeviceBudget, PoolRecord, Registry
 from elastic_kv_serve.engines import free_port
 from vllm_engines import CAPACITY, TEST_ENV, tiny_model, wait_for
 
-from tests.support import engine_logs
+from tests.support.processes import wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -53,31 +53,19 @@ class Server:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         try:
-            up = wait_for(self._healthy, timeout=600, period=1.0)
-        except BaseException:
-            up = False
-        if not up:  # leave no engine behind
+            wait_healthy(self.proc, self.url, self.log, 600)
+        except BaseException:  # leave no engine behind
             with contextlib.suppress(psutil.NoSuchProcess):
                 top = psutil.Process(self.proc.pid)
                 for process in [top, *top.children(recursive=True)]:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         process.kill()
             self.proc.wait(timeout=30)
-            raise AssertionError(f"server did not come up; see {self.log}:\n{engine_logs.tail(self.log)}")
+            raise
         top = psutil.Process(self.proc.pid)
         # psutil.Process remembers each start time: a reused PID is never signalled by mistake.
         self.processes = [top, *top.children(recursive=True)]
         self.tree = [p.pid for p in self.processes]
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"server exited ({self.proc.returncode}); see {self.log}:\n{engine_logs.tail(self.log)}"
-            )
-        try:
-            return requests.get(f"{self.url}/health", timeout=1).status_code == 200
-        except requests.RequestException:
-            return False
 
     def complete(self) -> None:
         body = {"model": str(tiny_model()), "prompt": "a b c d e f", "max_tokens": 8, "temperature": 0.0}

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -31,6 +30,7 @@ if str(REPO_ROOT) not in sys.path:
 from tests.support import engine_logs  # noqa: E402
 from tests.support.models import tiny_model, tiny_vllm_args  # noqa: E402
 from tests.support.once import json_once  # noqa: E402
+from tests.support.processes import wait_healthy  # noqa: E402
 
 # 64 MiB of virtual capacity: 512 blocks of 128 tokens (vLLM's CPU block size) x 2 layers x 64 KiB.
 CAPACITY = 64 << 20
@@ -468,19 +468,9 @@ def openai_server(
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
-                return bool(reply.status == 200)
-        except OSError:
-            return False
-
     engine_logs.watch(log, title)
     try:
-        assert wait_for(healthy, timeout=300, period=1.0), f"server did not come up; see {log}"
+        wait_healthy(proc, url, log, 300)
         yield proc, url
     finally:
         engine_logs.unwatch(log)
