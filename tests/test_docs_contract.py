@@ -109,3 +109,26 @@ def test_the_readme_names_every_folder_of_the_packages() -> None:
     )
     missing = [f for f in folders if not re.search(rf"^{re.escape(f)}\s", text, re.MULTILINE)]
     assert folders and not missing, f"README.md's layout section lacks {missing}"
+
+
+LONG_FILE_LINES = 400
+LONG_FILE_REASON = "One file over 400 lines on purpose:"
+
+
+def test_every_product_file_over_400_lines_says_why_at_its_top() -> None:
+    """A product source file (a package's Python, the C++ data plane) longer than 400 lines states in its
+    first lines why it is one file: a file that grows past it without a reason fails here."""
+    root = SOURCES.parent
+    files = [
+        *SOURCES.glob("*/src/**/*.py"),
+        *root.glob("core_ext/src/*.cpp"),
+        *root.glob("core_ext/include/**/*.hpp"),
+    ]
+    long = [f for f in files if "egg-info" not in str(f)
+            and len(f.read_text().splitlines()) > LONG_FILE_LINES]  # fmt: skip
+    silent = [
+        str(f.relative_to(root))
+        for f in long
+        if LONG_FILE_REASON not in "".join(f.read_text().splitlines(True)[:8])
+    ]
+    assert long and not silent, f"over {LONG_FILE_LINES} lines without a reason at the top: {silent}"

@@ -1,3 +1,6 @@
+// One file over 400 lines on purpose: one class, whose map/prepare/commit/abort transactions and their
+// rollbacks share the unit reference counts and must be read together (the contract is space_group.hpp's).
+
 #include "elastic_kv/space_group.hpp"
 
 #include <algorithm>

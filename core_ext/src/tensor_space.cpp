@@ -1,3 +1,6 @@
+// One file over 400 lines on purpose: one class, whose back/unback and their rollbacks share the slot
+// table and the quarantine and must be read together (the contract is tensor_space.hpp's).
+
 #include "elastic_kv/tensor_space.hpp"
 
 #include <limits>
