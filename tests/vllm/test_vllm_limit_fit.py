@@ -241,3 +241,71 @@ def test_what_a_request_needs_counts_what_each_group_keeps() -> None:
     assert needs.longest_within(12) == 100 + 12  # 7 full blocks hold 112 tokens
     assert needs.longest_within(3) == 16 and needs.longest_within(2) == 0
     assert needs.longest_within(10**6) == 1024
+
+
+def test_a_request_refused_twice_with_every_block_free_ends_and_any_other_refusal_waits() -> None:
+    """The need above is a lower bound, so a request may be refused with nothing else holding a block. Such
+    a refusal with every block requests may hold under the ceiling obtainable (free or evictable) is tried
+    again at once, not waited on; refused so at the next step too, the request ends at the following
+    ``observe`` with the error. A refusal with less obtainable, with blocks held by requests, or not at
+    consecutive steps waits or starts over."""
+    from types import SimpleNamespace
+
+    from vllm_elastic_kv.scheduler.fit import RequestFit, RequestNeeds
+
+    class Ledger:
+        max_request_blocks = 7
+        failed = 0
+
+        def max_request_blocks_now(self) -> int:
+            return 7
+
+        def note_largest_request(self, blocks: int) -> None:
+            pass
+
+        def bytes_for_blocks(self, blocks: int) -> int:
+            return blocks * 65536
+
+        def note_failed(self, n: int) -> None:
+            self.failed += n
+
+    class Request(SimpleNamespace):
+        def is_finished(self) -> bool:
+            return self.finished
+
+    class Scheduler:
+        def __init__(self, *requests: Request) -> None:
+            self.requests = {r.request_id: r for r in requests}
+            self.ended: list[str] = []
+
+        def finish_requests(self, ids: list[str], status: object) -> list[Request]:
+            self.ended += ids
+            for i in ids:
+                self.requests[i].finished = True
+            return [self.requests[i] for i in ids]
+
+    groups = [SimpleNamespace(kv_cache_spec=_spec("FullAttentionSpec", 256))]
+    ledger = Ledger()
+    fit = RequestFit(RequestNeeds(SimpleNamespace(kv_cache_groups=groups), 1024), ledger, "p", 0.0)  # type: ignore[arg-type]
+    a = Request(request_id="a", num_tokens=360, finished=False, client_index=0)
+    b = Request(request_id="b", num_tokens=360, finished=False, client_index=0)
+    sched = Scheduler(a, b)
+
+    assert not fit.refused_alone(a, referenced=0, obtainable=6, step=1)  # room may still come: wait
+    assert not fit.refused_alone(a, referenced=2, obtainable=7, step=2)  # blocks held: wait
+    assert not fit.refused_alone(None, referenced=0, obtainable=7, step=3)
+    assert fit.refused_alone(a, referenced=0, obtainable=7, step=4)  # first time: try again at once
+    fit.observe(sched)
+    assert sched.ended == []
+    assert fit.refused_alone(b, referenced=0, obtainable=7, step=5)  # another request: starts over
+    assert fit.refused_alone(a, referenced=0, obtainable=7, step=7)  # not consecutive: starts over
+    fit.observe(sched)
+    assert sched.ended == []
+    assert fit.refused_alone(a, referenced=0, obtainable=7, step=8)  # refused at two steps in a row
+    fit.observe(sched)
+    assert sched.ended == ["a"] and ledger.failed == 1
+    outputs = fit.add_outputs({})
+    (out,) = outputs[0].outputs
+    assert out.request_id == "a" and out.finish_reason.name == "ERROR"
+    assert "its 360 tokens could not be scheduled with all 448 KiB" in out.stop_reason
+    assert not fit.refused_alone(a, referenced=0, obtainable=7, step=9)  # ended: nothing more

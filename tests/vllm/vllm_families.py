@@ -211,8 +211,10 @@ FAMILIES: dict[str, Family] = {
             block_bytes=96 << 10,
             # Prefix caching on, as vLLM starts by default: it keeps a GDN state checkpoint per cached
             # block (mamba_cache_mode='align'), state blocks from the same pool. The prompts end with four
-            # that share 450 tokens, more than one 384-token block, so later ones hit the cache.
-            engine={"enable_prefix_caching": True},
+            # that share 450 tokens, more than one 384-token block, so later ones hit the cache. The
+            # recurrent state in float32, as vLLM's CPU platform sets it where the CPU has AVX-512 BF16
+            # (elsewhere it would follow the model's bfloat16, a state half the size and 256-token blocks).
+            engine={"enable_prefix_caching": True, "mamba_ssm_cache_dtype": "float32"},
             num_prompts=8,
             first_prompt=4,
             shared_prefix=450,

@@ -288,14 +288,16 @@ class Ledger:
         total = self._hits + self._misses
         return 1.0 if total == 0 else self._hits / total
 
-    def available_size(self) -> int:
+    def available_size(self, fresh: bool = False) -> int:
         """Blocks an ``alloc`` could get now: free blocks on backed pages plus pages in flight, plus as many
         unbacked pages as the physical headroom (limit, shared record, driver free memory) can back.
 
         O(1), no driver or shared-memory access. A hint, like vLLM's ``get_num_free_blocks``: another pool
-        may take the GPU-wide budget first, so ``alloc`` may still answer ``None``.
+        may take the GPU-wide budget first, so ``alloc`` may still answer ``None``. ``fresh``: with the
+        headroom the records and the driver give now rather than as last read (:meth:`outside_room`'s
+        reads; any ``kvctl`` change not yet applied counts only where it lowers the room).
         """
-        room = self._phys.room()
+        room = self._phys.room(fresh)
         page_bytes = self._geo.page_bytes
         pages = room // page_bytes if page_bytes else 0
         return (

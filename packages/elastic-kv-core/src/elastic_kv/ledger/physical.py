@@ -91,10 +91,10 @@ class PhysicalAccount:
         bounds += [s.record.budget_bytes // s.ranks for s in self._shares if s.record.budget_bytes]
         return max(1, min(bounds)) if bounds else 0
 
-    def room(self) -> int:
+    def room(self, fresh: bool = False) -> int:
         """Bytes the pool may still charge: its limit, and the outside headroom last read less what the
-        pool charged since. No system call."""
-        room = self._outside - (self.charged - self._charged_at_read)
+        pool charged since (no system call), or, ``fresh``, the headroom read now (:meth:`outside_room`)."""
+        room = self.outside_room() if fresh else self._outside - (self.charged - self._charged_at_read)
         if self.limit:
             room = min(room, self.limit - self.charged)
         return max(0, room)

@@ -29,6 +29,16 @@ the ceiling stays -- a request that hangs, and an engine loop that spins.
   step in flight, stalls the scheduler: vLLM's loop blocks on its input queue as when idle, until a request
   arrives or is aborted, ``kvctl`` changes a record, or the room outside the pool grows (the idle watcher,
   :class:`vllm_elastic_kv.scheduler.idle.IdleControl`, sees the last two and wakes the loop).
+* **When the estimate was short** (:meth:`RequestFit.refused_alone`): the need above is a lower bound, and
+  some requests hold more than it (under prefix caching a GDN or Mamba group may take a state checkpoint
+  block beside its state, and a preempted request's own cached blocks are hits it holds beside its new
+  ones). So a step that scheduled nothing because a request was
+  refused memory, with no step in flight, no block held by any request and every block requests may hold
+  under the ceiling free or evictable, shows that request cannot run under it: nothing the engine waits for
+  would give it more. One refusal may be transient (the ledger had not yet applied a ``kvctl`` change, an
+  admission could not back its whole bound), so the next step tries again at once, after the step's
+  housekeeping has applied what changed; refused again the same way, the request ends as above. (Natively
+  such a request is computed, preempted and computed again for as long as the engine runs.)
 * **What ``kvctl`` sees** (:meth:`RequestFit.observe`): the largest unfinished request's need is published
   with the pool's snapshot (``largest_request_bytes``), so ``kvctl`` refuses a limit or a budget below it.
 """
@@ -116,6 +126,8 @@ class RequestFit:
         self._observed_at = float("-inf")
         self._largest = 0  # tokens of the largest unfinished request seen
         self._ended: list[tuple[Any, str]] = []  # (request, why) ended since the last outputs
+        self._suspect: tuple[Any, int] = (None, -1)  # (request, step) refused alone once
+        self._refused: Any = None  # refused alone twice in a row: ends at the next observe()
 
     # -- what the largest request needs -------------------------------------------------------------------
     def request_added(self, num_tokens: int) -> None:
@@ -129,11 +141,32 @@ class RequestFit:
         self._largest = 0
         self._ledger.note_largest_request(0)
 
+    def refused_alone(self, request: Any, referenced: int, obtainable: int, step: int) -> bool:
+        """Step ``step`` scheduled nothing because ``request`` was refused memory, and no step is in
+        flight: whether the scheduler should try again at once rather than wait for room -- no block is held
+        by a request (``referenced``) and the pool could give it ``obtainable`` blocks (its evictable cached
+        blocks and all it may still back), every block requests may hold under the ceiling (see the module
+        docstring). Refused so at two steps in a row, it ends at the next :meth:`observe`."""
+        if request is None or referenced or request.is_finished():
+            return False
+        if obtainable < self._ledger.max_request_blocks_now():
+            return False  # room may come (another pool's budget, the driver's memory): wait for it
+        suspect, at = self._suspect
+        if suspect is request and at == step - 1:
+            self._suspect, self._refused = (None, -1), request
+        else:
+            self._suspect = (request, step)
+        return True
+
     # -- once per schedule() ------------------------------------------------------------------------------
     def observe(self, scheduler: Any) -> None:
         """At the start of ``schedule()``: end the requests that need more than the ceiling lets requests
-        hold (every step while the ceiling is below what a request of ``max_model_len`` tokens needs), and
-        refresh the largest request's need (at most every ``publish_interval_s`` otherwise)."""
+        hold (every step while the ceiling is below what a request of ``max_model_len`` tokens needs) or
+        that were refused with every block they may hold free (:meth:`refused_alone`), and refresh the
+        largest request's need (at most every ``publish_interval_s`` otherwise)."""
+        refused, self._refused = self._refused, None
+        if refused is not None and not refused.is_finished():
+            self._end_refused(scheduler, refused)
         longest = self.needs.longest_within(self._ledger.max_request_blocks)
         binding = longest < self.needs.max_model_len
         now = time.monotonic()
@@ -160,8 +193,6 @@ class RequestFit:
             self._ledger.note_largest_request(self.needs.blocks(largest))
 
     def _end(self, scheduler: Any, requests: Sequence[Any], longest: int) -> None:
-        from vllm.v1.request import RequestStatus
-
         ledger = self._ledger
         room = f"at most {longest} tokens" if longest else "no request"
         why: dict[str, str] = {}
@@ -172,6 +203,21 @@ class RequestFit:
                 f"need at least {need}, and under the pool's limit or its device's budget a request can hold "
                 f"{room}; raise the limit with kvctl"
             )
+        self._finish(scheduler, why)
+
+    def _end_refused(self, scheduler: Any, request: Any) -> None:
+        most = format_bytes(self._ledger.bytes_for_blocks(self._ledger.max_request_blocks_now()))
+        self._finish(scheduler, {request.request_id: (
+            f"needs more KV cache than pool {self._name} may hold: its {request.num_tokens} tokens could not "
+            f"be scheduled with all {most} that requests may hold under the pool's limit or its device's "
+            "budget free; raise the limit with kvctl"
+        )})  # fmt: skip
+
+    def _finish(self, scheduler: Any, why: dict[str, str]) -> None:
+        """End the requests of ``why`` (request id -> the reason) with vLLM's request-level error."""
+        from vllm.v1.request import RequestStatus
+
+        ledger = self._ledger
         ended = scheduler.finish_requests(list(why), RequestStatus.FINISHED_ERROR)
         for request in ended:
             logger.warning("request %s ended: %s", request.request_id, why[request.request_id])

@@ -91,6 +91,7 @@ class ElasticKVCacheManager(KVCacheManager):
         # Calls answered None (memory refused): the scheduler waits instead of spinning when a step
         # scheduled nothing for want of memory (vllm_elastic_kv.scheduler.fit.Stall).
         self.refusals = 0
+        self.last_refused: Any = None  # the request of the last refusal
 
     def allocate_slots(
         self, request: Any, num_new_tokens: Any, *args: Any, num_lookahead_tokens: Any = None, **kwargs: Any
@@ -141,6 +142,7 @@ class ElasticKVCacheManager(KVCacheManager):
             blocks = _vllm_allocate_slots(self, request, *args, **kwargs)  # backed already: nothing to do
             if blocks is None:  # a waiting request behind vLLM's watermark, or with more than the bound
                 self.refusals += 1
+                self.last_refused = request
             return blocks
         if not tried_backed:
             # The bound overestimates (most decode calls need no block at all): first try with the held
@@ -154,4 +156,5 @@ class ElasticKVCacheManager(KVCacheManager):
             blocks = _vllm_allocate_slots(self, request, *args, **kwargs)
         if blocks is None:
             self.refusals += 1
+            self.last_refused = request
         return blocks

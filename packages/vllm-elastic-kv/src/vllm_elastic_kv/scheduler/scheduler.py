@@ -139,11 +139,18 @@ class ElasticSchedulerMixin:
         with elastic.block_pool.counting(backed_only=True):
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         tokens = output.total_num_scheduled_tokens
-        if not tokens and self.kv_cache_manager.refusals != refusals and not elastic.epochs.in_flight:
-            self.elastic_stall.begin()
-            elastic.ledger.publish()  # kvctl sees the waiting requests' need while the loop waits
-            if not self.elastic_stall.wakeable:
-                self.elastic_stall.wait()
+        manager = self.kv_cache_manager
+        if not tokens and manager.refusals != refusals and not elastic.epochs.in_flight:
+            pool = elastic.block_pool
+            obtainable = pool.num_cached + elastic.ledger.available_size(fresh=True)
+            # A request refused with every block it may hold free tries again at once, and then ends
+            # (fit.RequestFit.refused_alone); any other refusal waits for room.
+            refused, referenced = manager.last_refused, pool.num_referenced
+            if not self.elastic_fit.refused_alone(refused, referenced, obtainable, elastic.steps):
+                self.elastic_stall.begin()
+                elastic.ledger.publish()  # kvctl sees the waiting requests' need while the loop waits
+                if not self.elastic_stall.wakeable:
+                    self.elastic_stall.wait()
         # A decode step (one token per scheduled request) leaves the GPU bound by memory bandwidth.
         light = 0 < tokens == len(output.num_scheduled_tokens)
         setattr(output, _EPOCH_ATTR, self.elastic_pool.step_dispatched(light))
