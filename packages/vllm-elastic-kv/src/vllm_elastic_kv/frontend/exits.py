@@ -4,10 +4,11 @@
 the front end sends SIGTERM to the engine core and SIGKILLs it (and its workers) at once, so neither the
 pool record (owned by the engine core) nor the ranks' sockets (owned by the workers) are removed by their
 owners. The front end outlives them: :func:`clean_up_after_engine`, registered at activation to run at
-the front end's exit, waits for its child processes to have exited (a SIGKILLed process with much memory
-takes a while to die on a loaded machine), then reclaims the records whose owners are dead (the registry's
-own liveness rules: a live owner's record is never touched) and removes the sockets of this engine
-instance that no process listens on any more.
+the front end's exit, waits for those of its child processes that own a pool record to have exited (a
+SIGKILLed process with much memory takes a while to die on a loaded machine; other children, such as
+multiprocessing's resource tracker, live as long as the front end and are not waited for), then reclaims
+the records whose owners are dead (the registry's own liveness rules: a live owner's record is never
+touched) and removes the sockets of this engine instance that no process listens on any more.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import weakref
 from pathlib import Path
 
 from elastic_kv.ranks import socket_path
-from elastic_kv.registry import RegistryConfig, reclaim_dead
+from elastic_kv.registry import Registry, RegistryConfig, reclaim_dead
 
 __all__ = ["clean_up_after_engine", "register_clean_up"]
 
@@ -42,19 +43,23 @@ def _stale(path: Path) -> bool:
     return False
 
 
-def _wait_for_children(deadline: float) -> None:
-    """Wait until every descendant of this process has exited (gone or a zombie), or until ``deadline``."""
+def _wait_for_record_owners(config: RegistryConfig, deadline: float) -> None:
+    """Wait until every descendant of this process that owns a pool record has exited (gone or a zombie,
+    whose lock the kernel has dropped), or until ``deadline``."""
     import psutil  # vLLM's own dependency: this module runs in vLLM's front end only
 
-    children = psutil.Process().children(recursive=True)
-    while children and time.monotonic() < deadline:
+    if not config.directory.is_dir():
+        return
+    owners = {pool.pid for pool in Registry(config.directory).pools(reclaim=False)}
+    waiting = [child for child in psutil.Process().children(recursive=True) if child.pid in owners]
+    while waiting and time.monotonic() < deadline:
         alive = []
-        for child in children:
+        for child in waiting:
             with contextlib.suppress(psutil.NoSuchProcess):
                 if child.status() != psutil.STATUS_ZOMBIE:
                     alive.append(child)
-        children = alive
-        if children:
+        waiting = alive
+        if waiting:
             time.sleep(0.05)
 
 
@@ -64,12 +69,13 @@ def clean_up_after_engine(
     """Remove engine ``instance``'s stale sockets and reclaim dead owners' records (never raises).
 
     vLLM has just SIGKILLed the engine's processes, which may take seconds to die on a loaded machine: the
-    front end's child processes are waited for (up to ``wait_s``) before anything is checked, and a socket
-    still accepting after that is polled until the same deadline before it counts as another process's.
-    The records are reclaimed last, so that their owners have died too."""
+    front end's child processes that own a pool record are waited for (up to ``wait_s``) before anything is
+    checked, and a socket still accepting after that is polled until the same deadline before it counts as
+    another process's. The records are reclaimed last, so that their owners have died too."""
     try:
         deadline = time.monotonic() + wait_s
-        _wait_for_children(deadline)
+        config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
+        _wait_for_record_owners(config, deadline)
         for rank in range(world_size):
             path = socket_path(instance, rank)
             while path.exists() and not _stale(path) and time.monotonic() < deadline:
@@ -77,7 +83,6 @@ def clean_up_after_engine(
             if path.exists() and _stale(path):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-        config = RegistryConfig(registry_dir) if registry_dir is not None else RegistryConfig.from_env()
         if config.directory.is_dir():
             reclaimed = reclaim_dead(config)
             if reclaimed:
