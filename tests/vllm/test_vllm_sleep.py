@@ -224,3 +224,95 @@ def test_the_size_of_a_level_1_sleep_is_read_from_vllms_allocator_where_it_is_a_
     assert sleep.level_one_bytes() == 0
     monkeypatch.undo()
     assert sleep.level_one_bytes() == 0  # this CPU platform has no sleep-mode allocator
+
+
+# -- a sleep that keeps its requests keeps their state ------------------------------------------------
+class _Allocator:
+    """vLLM's ``CuMemAllocator`` as the backend reads it: records (a handle's second field is the size, a
+    host copy in ``cpu_backup_tensor``) and the tags each ``sleep`` was asked to copy to the host."""
+
+    def __init__(self, **records: Any) -> None:
+        self.pointer_to_data = records
+        self.slept: list[tuple[str, ...]] = []
+
+    def sleep(self, offload_tags: tuple[str, ...] = ()) -> None:
+        self.slept.append(tuple(offload_tags))
+
+
+def _backend_on(monkeypatch: pytest.MonkeyPatch, version: tuple[int, int, int], park_kv: bool) -> Any:
+    from vllm_elastic_kv import compat
+    from vllm_elastic_kv.worker import sleep
+
+    monkeypatch.setattr(compat, "installed_version", lambda: version)
+    monkeypatch.setenv("ELASTIC_KV_PARK_KV", "1" if park_kv else "0")
+    monkeypatch.delenv("ELASTIC_KV_HOST_ARENA", raising=False)
+    return sleep.ElasticSleepBackend()
+
+
+@pytest.mark.parametrize(
+    ("version", "park_kv", "state"),
+    [((0, 26, 0), True, ("kv_cache",)), ((0, 26, 0), False, ()), ((0, 32, 0), True, ())],
+)
+def test_only_a_sleep_that_keeps_requests_on_0_26_copies_the_kv_cache_pool_at_every_level(
+    monkeypatch: pytest.MonkeyPatch, version: tuple[int, int, int], park_kv: bool, state: tuple[str, ...]
+) -> None:
+    # vLLM's own keep-mode sleep preempts its requests, so the state it builds with the KV cache may be
+    # discarded; with park_kv the scheduler keeps them, and on 0.26 that state sits in the "kv_cache" pool.
+    import vllm.device_allocator as allocators
+
+    backend = _backend_on(monkeypatch, version, park_kv)
+    allocator = _Allocator()
+    monkeypatch.setattr(allocators, "get_mem_allocator_instance", lambda: allocator)
+    backend.suspend(1)  # no arena: vLLM's host copies
+    backend.suspend(2)
+    if state:  # 0.26's own backend copies the weights at level 1, nothing at level 2
+        assert allocator.slept == [("weights", *state), state]
+    else:  # the installed vLLM's own backend, unchanged
+        assert allocator.slept == [("weights", "runtime", "cudagraph"), ("runtime", "cudagraph")]
+    assert backend.state() == "SUSPENDED"
+
+
+def test_the_kv_cache_pools_state_is_in_the_runtime_pool_vllm_keeps_from_0_32() -> None:
+    # Why the table gives 0.32 no state tags: the installed vLLM builds the KV cache's state (the input
+    # batch, the attention backends' buffers) in its "runtime" pool, and its sleep keeps that pool.
+    from vllm.device_allocator.sleep_mode_backend import CuMemBackend
+    from vllm.v1.worker.gpu_worker import Worker
+
+    build = inspect.getsource(Worker.initialize_from_config)
+    assert re.search(
+        r'tag="runtime"\)\s*\)\s*with runtime_pool:\s*self\.model_runner\.initialize_kv_cache', build
+    )
+    assert 'offload_tags: tuple[str, ...] = ("runtime", "cudagraph")' in inspect.getsource(
+        CuMemBackend.suspend
+    )
+
+
+def test_a_demotion_keeps_the_kept_requests_state_off_the_extent(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    import vllm.device_allocator as allocators
+    from elastic_kv.host import HostArena
+
+    backend = _backend_on(monkeypatch, (0, 26, 0), park_kv=True)
+    arena = HostArena.create(tmp_path / "host.arena", 1 << 20)
+    try:
+        extent = arena.take(4096, "m")
+        assert extent is not None
+        view = torch.frombuffer(bytearray(4096), dtype=torch.uint8)
+        view[2048:] = 7
+        weights = SimpleNamespace(tag="weights", cpu_backup_tensor=view[:2048])
+        state = SimpleNamespace(tag="kv_cache", cpu_backup_tensor=view[2048:])
+        monkeypatch.setattr(
+            allocators, "get_mem_allocator_instance", lambda: _Allocator(**{"1": weights, "2": state})
+        )
+        backend._arena, backend._extent = SimpleNamespace(arena=arena), extent
+        backend.demote([])
+        view.zero_()  # the extent is someone else's now
+        assert weights.cpu_backup_tensor is None  # reloaded at wake-up, as after a level-2 sleep
+        assert torch.equal(state.cpu_backup_tensor, torch.full((2048,), 7, dtype=torch.uint8))
+        assert arena.extents() == []
+    finally:
+        arena.close()
+        arena.remove()

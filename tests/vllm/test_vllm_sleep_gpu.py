@@ -19,6 +19,7 @@ sleep-mode backend. The tests run in file order on that engine:
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,21 +145,31 @@ def test_a_sleep_that_keeps_its_requests_parks_their_kv_and_they_go_on_alike(eng
     serving model): the requests keep their blocks, the worker parks their pages in the host arena beside
     the weights, so the device holds only the null block's page; the wake-up brings them back and the
     requests go on without being computed again (no preemption), each with the tokens it has
-    uninterrupted."""
+    uninterrupted. Under async scheduling, the engine's per-request state on the device (on vLLM 0.26 in
+    the pool its sleep discards) must come back as well, or the next step decodes from garbage."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     llm, arena = engine["llm"], engine["arena"]
-    params = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True, detokenize=False)
-    alone = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    from vllm.sampling_params import RequestOutputKind
+    core = llm.llm_engine
+    # Enough requests that, at the sleep, their blocks fill the null block's page and two more: a page holds
+    # thousands of this model's tokens.
+    (idle,) = llm.collective_rpc("elastic_kv_info")
+    blocks_per_page = int(re.search(r"(\d+) blocks/page", idle["geometry"]).group(1))
+    page_tokens = blocks_per_page * core.vllm_config.cache_config.block_size
+    held = 2 * page_tokens
+    prompts = [[(11 * i + 5 * j) % 1000 + 16 for j in range(64)] for i in range(held // 512 + 2)]
+    params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.reset_prefix_cache()
+    alone = [list(o.outputs[0].token_ids) for o in llm.generate(_inputs(prompts), params, use_tqdm=False)]
+    llm.reset_prefix_cache()  # the kept run computes its prompts as the first run did
 
     streamed = params.clone()
     streamed.output_kind = RequestOutputKind.CUMULATIVE  # each step's tokens, not only the last
-    core = llm.llm_engine
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(_inputs(prompts)):
         core.add_request(f"kept-{i}", prompt, streamed)
     outputs: dict[str, list[int]] = {}
-    while len(outputs) < len(PROMPTS):  # every request has its first tokens
+    while len(outputs) < len(prompts) or sum(64 + len(t) for t in outputs.values()) < held:
         for out in core.step():
             outputs[out.request_id] = list(out.outputs[0].token_ids)
     (awake,) = llm.collective_rpc("elastic_kv_info")
@@ -167,11 +178,15 @@ def test_a_sleep_that_keeps_its_requests_parks_their_kv_and_they_go_on_alike(eng
     (asleep,) = llm.collective_rpc("elastic_kv_info")
     assert asleep["parked_bytes"] > 0 and asleep["mapped_pages"] == 1, asleep  # the null block's page
     assert awake["live_bytes"] - asleep["live_bytes"] >= asleep["parked_bytes"], (awake, asleep)
-    assert len(arena.extents()) == 2  # the weights' copy and the KV's
+    assert len(arena.extents()) == 2  # the weights' copy (with the engine's state) and the KV's
     llm.wake_up()
     (woken,) = llm.collective_rpc("elastic_kv_info")
     assert woken["parked_bytes"] == 0 and arena.extents() == []
     while core.has_unfinished_requests():
         for out in core.step():
             outputs[out.request_id] = list(out.outputs[0].token_ids)
-    assert [outputs[f"kept-{i}"] for i in range(len(PROMPTS))] == alone
+    assert [outputs[f"kept-{i}"] for i in range(len(prompts))] == alone
+
+
+def _inputs(prompts: list[list[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": p} for p in prompts]

@@ -101,6 +101,13 @@ class VersionSupport:
     # The allocation tags vLLM's own sleep mode copies to the host at level 1 (and restores on wake-up);
     # the elastic sleep-mode backend keeps the same ones, in the host arena (vllm_elastic_kv.worker.sleep).
     sleep_offload_tags: tuple[str, ...] = ("weights",)
+    # The tags of the allocations that hold the engine's per-request state beside those: what a sleep that
+    # keeps its requests (``park_kv``) copies to the host at every level too. On 0.26 the state built with
+    # the KV cache (the persistent input batch, the attention backends' buffers) is allocated in the
+    # "kv_cache" pool, which vLLM's sleep discards (its own keep-mode sleep preempts the requests, so the
+    # state is built again); under the elastic KV cache that pool holds that state only. From 0.32 it is
+    # the "runtime" pool, which vLLM keeps at every level.
+    sleep_state_tags: tuple[str, ...] = ()
     # "engine": an engine ran on it end to end; "source": every target and member matches its source and
     # the package builds its configs with the plugin (activation warns once).
     verified: Literal["engine", "source"] = "engine"
@@ -291,7 +298,14 @@ _UTILS_CONFIGS = "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"
 _FULL_SLEEP_OFFLOAD = ("weights", "runtime", "cudagraph")
 
 SUPPORT: tuple[VersionSupport, ...] = (
-    VersionSupport((0, 26), (0, 27), "per_tensor", _UTILS_CONFIGS, _COMMON + _SLEEP_BY_LEVEL + _PER_TENSOR),
+    VersionSupport(
+        (0, 26),
+        (0, 27),
+        "per_tensor",
+        _UTILS_CONFIGS,
+        _COMMON + _SLEEP_BY_LEVEL + _PER_TENSOR,
+        sleep_state_tags=("kv_cache",),
+    ),
     VersionSupport(
         (0, 32),
         (0, 33),

@@ -19,6 +19,12 @@ copying back from the host tensors we leave in each allocation's ``cpu_backup_te
 (``CuMemAllocator.wake_up``). Level 2 (weights discarded), and a level-1 sleep the arena has no room for,
 are vLLM's own ``cumem`` backend unchanged.
 
+A sleep that keeps its requests (``park_kv``, as ``elastic-kv serve`` starts its engines: the scheduler then
+leaves the running requests in place, :mod:`vllm_elastic_kv.worker.parking`) must keep the engine's
+per-request state too. vLLM keeps it at every level from 0.32 (the "runtime" pool); on 0.26 it sits in the
+"kv_cache" pool, which a sleep discards, so this backend copies that pool's allocations to the host as well
+(``VersionSupport.sleep_state_tags``), at every level, whether or not the arena has room for the weights.
+
 Demotion (:meth:`ElasticSleepBackend.demote`, the worker's ``elastic_kv_demote``): an engine asleep at level 1
 gives its extent back and becomes asleep at level 2, as if it had slept at level 2 in the first place. vLLM's
 level-2 sleep keeps host copies of the model's buffers (which ``reload_weights`` does not restore); the
@@ -152,13 +158,20 @@ def _level_one_allocations(tags: Iterable[str]) -> tuple[Any, list[Any]]:
     return allocator, [d for d in allocations if d.tag in tags and not d.is_asleep]
 
 
+def _sleep_tags(config: ElasticConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The allocation tags a level-1 sleep copies to the host on the installed vLLM, and those of the
+    per-request state it copies as well (at every level) where ``park_kv`` keeps requests through it."""
+    support = compat.support_for(compat.installed_version())
+    return support.sleep_offload_tags, support.sleep_state_tags if config.park_kv else ()
+
+
 def level_one_bytes() -> int:
     """Bytes of host memory a level-1 sleep of this process would take now (its weights, as it serves); 0
     where vLLM's sleep-mode allocator is not the ``CuMemAllocator`` this backend reads (where the plugin
     leaves sleeping to vLLM's own backend, and the size is known after the first sleep)."""
-    tags = compat.support_for(compat.installed_version()).sleep_offload_tags
+    offload, state = _sleep_tags(ElasticConfig.from_env(os.environ))
     try:
-        return sum(d.handle[1] for d in _level_one_allocations(tags)[1])
+        return sum(d.handle[1] for d in _level_one_allocations((*offload, *state))[1])
     except (ConfigError, RuntimeError):  # not a CuMemAllocator; no sleep-mode allocator on this platform
         return 0
 
@@ -179,9 +192,8 @@ class ElasticSleepBackend(CuMemBackend):
         config = ElasticConfig.from_env(os.environ)
         self._arena = process_arena(config.host_arena) if config.host_arena is not None else None
         self._default_owner = config.pool_name or f"vllm-{os.getpid()}"
-        support = compat.support_for(compat.installed_version())
-        self._offload_tags = support.sleep_offload_tags
-        self._suspend_by = support.sleep_suspend
+        self._offload_tags, self._state_tags = _sleep_tags(config)
+        self._suspend_by = compat.support_for(compat.installed_version()).sleep_suspend
         self._extent: Extent | None = None
 
     @property
@@ -209,12 +221,13 @@ class ElasticSleepBackend(CuMemBackend):
     def suspend(self, *args: Any, **kwargs: Any) -> None:
         """A level-1 sleep into an arena extent when one fits; otherwise vLLM's ``cumem`` backend with the
         same arguments (``suspend(level)``, or ``suspend(discardable)`` where vLLM passes that)."""
-        if not self._level_one(args, kwargs) or self._arena is None or self._extent is not None:
-            super().suspend(*args, **kwargs)
+        level_one = self._level_one(args, kwargs)
+        if not level_one or self._arena is None or self._extent is not None:
+            self._suspend_in_vllm(level_one, args, kwargs)
             return
         from vllm.device_allocator.cumem import libcudart
 
-        allocator, kept = _level_one_allocations(self._offload_tags)
+        allocator, kept = _level_one_allocations((*self._offload_tags, *self._state_tags))
         need = sum(d.handle[1] for d in kept)
         extent = self._arena.arena.take(need, self._owner) if need else None
         if extent is None:
@@ -223,7 +236,7 @@ class ElasticSleepBackend(CuMemBackend):
                 self._arena.arena.path,
                 format_bytes(need),
             )
-            super().suspend(*args, **kwargs)
+            self._suspend_in_vllm(level_one, args, kwargs)
             return
         t0 = time.perf_counter()
         try:
@@ -252,6 +265,18 @@ class ElasticSleepBackend(CuMemBackend):
             pin_s,
         )
 
+    def _suspend_in_vllm(self, level_one: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """vLLM's ``cumem`` sleep with vLLM's host copies; where requests are kept through it (state tags:
+        ``suspend(level)`` versions only), what vLLM's backend does, with the state's tags copied too."""
+        if not self._state_tags:
+            super().suspend(*args, **kwargs)
+            return
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        self._state = "SUSPENDED"
+        offload = (*self._offload_tags, *self._state_tags) if level_one else self._state_tags
+        get_mem_allocator_instance().sleep(offload_tags=offload)
+
     def demote(self, buffers: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Turn this engine's level-1 sleep in the arena into a level-2 one (see the module docstring): the
         host copies of ``buffers`` (the model's named buffers, for the worker to restore on wake-up as after
@@ -272,6 +297,9 @@ class ElasticSleepBackend(CuMemBackend):
         saved = host_copies(buffers, {address: data.cpu_backup_tensor for address, data in asleep})
         for _, data in asleep:
             data.cpu_backup_tensor = None
+        for data in allocator.pointer_to_data.values():  # the kept requests' state leaves the extent
+            if data.tag in self._state_tags and data.cpu_backup_tensor is not None:
+                data.cpu_backup_tensor = data.cpu_backup_tensor.clone()
         arena.arena.give_back(extent)
         self._extent = None
         logger.info(
