@@ -259,7 +259,7 @@ class SleepSetup:
         footprints plus the KV total: at most ``awake`` models fit awake at once, and with that many awake
         the KV they share is the KV total, as in the other set-ups.
         """
-        from tests.support.serve import config_text  # elastic_kv_serve's: the sleep set-up needs it
+        from elastic_kv_serve.config import render_config  # the sleep set-up needs elastic_kv_serve
 
         plan = self.plan
         if plan.device == "cpu":
@@ -311,7 +311,7 @@ class SleepSetup:
                 model["env"] = dict(env)
             models.append(model)
         self.weights_bytes, self.budget_bytes = weights, budget
-        return config_text(server, models), budget
+        return render_config(server, models), budget
 
     def start(self) -> None:
         plan = self.plan

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from elastic_kv.errors import ConfigError
 from elastic_kv.sizes import Percent
-from elastic_kv_serve.config import load_config, parse_config, quick_config
+from elastic_kv_serve.config import load_config, parse_config, quick_config, render_config
 
 GOOD = """
 [server]
@@ -144,6 +144,29 @@ def test_malformed_toml_is_one_line(tmp_path: Path) -> None:
         load_config(path)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_a_rendered_config_loads_back(tmp_path: Path) -> None:
+    """render_config writes what load_config reads: strings with quotes, lists, tables, booleans, numbers."""
+    server = {
+        "port": 8123,
+        "budget": "50%",
+        "preload": True,
+        "api_keys": ['k"1', {"key": "k2", "models": ["a"]}],
+    }
+    models = [
+        {"name": "a", "engine": "vllm", "model": "/m", "args": ["--x", "1"], "env": {"A": "1"}},
+        {"name": "b", "engine": "sglang", "model": "/m", "idle_sleep_s": 2.5, "pinned": False},
+    ]
+    path = tmp_path / "models.toml"
+    path.write_text(render_config(server, models))
+    config = load_config(path)
+    assert config.server.port == 8123 and config.server.preload is True
+    assert [m.name for m in config.models] == ["a", "b"]
+    assert config.models[0].args == ["--x", "1"] and config.models[0].env == {"A": "1"}
+    assert config.models[1].idle_sleep_s == 2.5 and config.models[1].pinned is False
+    with pytest.raises(TypeError, match="no TOML literal"):
+        render_config({"port": None}, [])
 
 
 def test_quick_form() -> None:

@@ -7,7 +7,6 @@ model states, and stops the server with SIGTERM (the drain path) or, if that fai
 
 from __future__ import annotations
 
-import json
 import os
 import ssl
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from elastic_kv_serve.config import render_config
 from elastic_kv_serve.engines import free_port
 from elastic_kv_serve.process import ChildProcess
 
@@ -44,32 +44,8 @@ def sglang_cpu_env() -> dict[str, str]:
     return {**{k: env[k] for k in keep}, **POOL_ENV}
 
 
-def toml_value(value: Any) -> str:
-    """A TOML literal for a str, bool, number, list or flat dict (enough for the configs written here)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"no TOML literal for {value!r}")
-
-
-def config_text(server: dict[str, Any], models: list[dict[str, Any]]) -> str:
-    """An ``elastic-kv serve`` config in TOML: the ``[server]`` table and one ``[[models]]`` table a model
-    (for the server's tests, the demo and the multi-model benchmark's sleep set-up)."""
-    lines = ["[server]", *(f"{k} = {toml_value(v)}" for k, v in server.items())]
-    for model in models:
-        lines += ["", "[[models]]", *(f"{k} = {toml_value(v)}" for k, v in model.items())]
-    return "\n".join(lines) + "\n"
-
-
 def write_config(path: Path, server: dict[str, Any], models: list[dict[str, Any]]) -> Path:
-    path.write_text(config_text(server, models))
+    path.write_text(render_config(server, models))
     return path
 
 

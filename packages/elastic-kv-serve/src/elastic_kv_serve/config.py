@@ -68,6 +68,7 @@ Unknown keys and bad values raise :class:`~elastic_kv.errors.ConfigError` with o
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +89,7 @@ __all__ = [
     "parse_config",
     "pool_name_for",
     "quick_config",
+    "render_config",
 ]
 
 _POOL_CHARS = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -371,3 +373,28 @@ def quick_config(
             raise ConfigError(f"--model[{i}]: {item!r}: expected NAME=PATH")
         entries.append({"name": name, "engine": engine, "model": path})
     return parse_config({"server": dict(server or {}), "models": entries}, "command line")
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML literal for a str, bool, number, list or flat dict (what a config's values are)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML literal for {value!r}")
+
+
+def render_config(server: dict[str, Any], models: Sequence[dict[str, Any]]) -> str:
+    """A config file's text (TOML) for the ``[server]`` table ``server`` and one ``[[models]]`` table per
+    entry of ``models``, as :func:`load_config` reads it back (unvalidated); ``TypeError`` for a value
+    other than a str, bool, number, list or flat table."""
+    lines = ["[server]", *(f"{k} = {_toml_value(v)}" for k, v in server.items())]
+    for model in models:
+        lines += ["", "[[models]]", *(f"{k} = {_toml_value(v)}" for k, v in model.items())]
+    return "\n".join(lines) + "\n"
