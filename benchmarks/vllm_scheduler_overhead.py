@@ -25,6 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workload import workload_parser  # noqa: E402
 
 
 def _stacks(elastic: bool, num_blocks: int) -> tuple[Any, Any]:
@@ -79,9 +82,7 @@ def _run(elastic: bool, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt", type=int, default=256)
+    parser = workload_parser(__doc__, requests=256, output=False)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.workload import workload_parser  # noqa: E402
+
 BLOCK = 16  # tokens per block, as on GPUs
 
 
@@ -346,10 +348,7 @@ def _steps(drivers: dict[str, Driver], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--output", type=int, default=128)
+    parser = workload_parser(__doc__, requests=256)
     parser.add_argument("--batched-tokens", type=int, default=8192)
     parser.add_argument("--page-size", default="2M", help="ELASTIC_KV_PAGE_SIZE of the elastic pool")
     parser.add_argument("--steps", type=int, default=400, help="timed steps per scheduler")

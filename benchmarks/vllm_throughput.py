@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workload import workload_parser  # noqa: E402
 
 
 def _child(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
     from vllm import LLM, SamplingParams
 
     from tests.support.models import tiny_vllm_args
@@ -87,11 +89,8 @@ def _measure(backend: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = workload_parser(__doc__, requests=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--capacity", type=int, default=256, help="KV cache capacity, MiB")
     parser.add_argument("--child", choices=["native", "elastic"], help=argparse.SUPPRESS)
     args = parser.parse_args()
