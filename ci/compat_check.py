@@ -109,14 +109,15 @@ def check_release(src: Source, reference: Source | None = None) -> tuple[Version
     return entry, rows
 
 
-def _check(src: Source, reference: Source | None) -> tuple[str, list[Row]]:
-    entry, rows = check_release(src, reference)
-    return f"the {entry.label} entry", rows
-
-
 def main(argv: list[str] | None = None) -> int:
     return check_main(
-        argv, prog="compat_check", doc=__doc__ or "", package="vllm", engine="vLLM", check=_check
+        argv,
+        prog="compat_check",
+        doc=__doc__ or "",
+        package="vllm",
+        engine="vLLM",
+        check=check_release,
+        table="entry",
     )
 
 

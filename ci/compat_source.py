@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WHEELS = REPO_ROOT / ".cache" / "wheels"
@@ -47,6 +48,7 @@ _VERSION_RE = re.compile(r"^\d+\.\d+")
 __all__ = [
     "WHEELS",
     "Check",
+    "Labelled",
     "Row",
     "Source",
     "SourceUnavailable",
@@ -492,11 +494,22 @@ def _table(rows: list[Row], engine: str, release: str, reference: str | None) ->
 
 # Given a release's source and the reference's (None without one): what the release is checked against
 # ("the 0.34 entry") and one Row per symbol.
-Check = Callable[[Source, Source | None], tuple[str, list[Row]]]
+class Labelled(Protocol):
+    """What a check matched a release against: an entry or row of the plugin's table, named by its label."""
+
+    @property
+    def label(self) -> str: ...
 
 
-def main(argv: list[str] | None, *, prog: str, doc: str, package: str, engine: str, check: Check) -> int:
-    """A compat check's command line (``prog``, described by the first paragraph of ``doc``): ``RELEASE
+# A release's check: what it was matched against and one Row per symbol.
+Check = Callable[[Source, Source | None], tuple[Labelled, list[Row]]]
+
+
+def main(
+    argv: list[str] | None, *, prog: str, doc: str, package: str, engine: str, check: Check, table: str
+) -> int:
+    """A compat check's command line (``prog``, described by the first paragraph of ``doc``; ``table``: what
+    ``check`` matches a release against, "entry" or "row", as its verdict names it): ``RELEASE
     [--against REF] [--all]``. Prints the table of what moved or changed (every row with ``--all``) and one
     summary line naming the first symbol that does not match. Exit status 0: every symbol matches; 1: one
     does not; 2: bad arguments or no source."""
@@ -518,7 +531,8 @@ def main(argv: list[str] | None, *, prog: str, doc: str, package: str, engine: s
             reference = open_source(package, args.against)
         except (SourceUnavailable, ValueError) as exc:
             print(f"{prog}: no reference ({exc})", file=sys.stderr)
-    checked, rows = check(src, reference)
+    matched, rows = check(src, reference)
+    checked = f"the {matched.label} {table}"
     shown = rows if args.all else [r for r in rows if r.changed]
     if shown:
         print(_table(shown, engine, src.version, reference.version if reference else None))

@@ -104,14 +104,15 @@ def check_release(src: Source, reference: Source | None = None) -> tuple[Seams, 
     return row, rows
 
 
-def _check(src: Source, reference: Source | None) -> tuple[str, list[Row]]:
-    row, rows = check_release(src, reference)
-    return f"the {row.label} row", rows
-
-
 def main(argv: list[str] | None = None) -> int:
     return check_main(
-        argv, prog="sglang_compat_check", doc=__doc__ or "", package="sglang", engine="SGLang", check=_check
+        argv,
+        prog="sglang_compat_check",
+        doc=__doc__ or "",
+        package="sglang",
+        engine="SGLang",
+        check=check_release,
+        table="row",
     )
 
 
