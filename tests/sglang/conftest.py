@@ -64,3 +64,11 @@ def plugin_env(elastic_pool_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     elastic_pool_env.setenv("ELASTIC_KV_PAGE_SIZE", str(UNIT_SLOT))
     elastic_pool_env.setenv("ELASTIC_KV_PREMAP", "0")
     return elastic_pool_env
+
+
+@pytest.fixture
+def named_env(plugin_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> pytest.MonkeyPatch:
+    """``plugin_env`` with 64-slot chunks, its pools named after the test module's ``NAME``."""
+    plugin_env.setenv("ELASTIC_KV_POOL_NAME", request.module.NAME)
+    plugin_env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
+    return plugin_env

@@ -24,14 +24,6 @@ SIZE_SWA = 2048
 NAME = "pure-swa-unit"
 
 
-@pytest.fixture
-def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """The plugin's unit-test environment, pool ``NAME``, 64-slot chunks."""
-    plugin_env.setenv("ELASTIC_KV_POOL_NAME", NAME)
-    plugin_env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
-    return plugin_env
-
-
 def _pure_pool(pool_cls: Any = None) -> Any:
     """SGLang's SWAKVPool as its configurator builds it for an all-sliding model: the full side has no
     layers and no tokens."""
@@ -54,7 +46,7 @@ def _pure_pool(pool_cls: Any = None) -> Any:
 
 
 @pytest.fixture
-def pure(env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+def pure(named_env: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
     from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
 
     pool = _pure_pool()
@@ -131,12 +123,12 @@ def test_admission_budget_sees_the_one_pool(pure: tuple[Any, Any]) -> None:
 
 
 def test_sleep_unmaps_everything_but_the_null_page_and_releases_cached_handles(
-    env: pytest.MonkeyPatch,
+    named_env: pytest.MonkeyPatch,
 ) -> None:
     from sglang_elastic_kv.allocator.pure_swa import ElasticPureSWAAllocator
 
-    env.setenv("ELASTIC_KV_RESERVE_MIN", "2")
-    env.setenv("ELASTIC_KV_RESERVE_MAX", "4")
+    named_env.setenv("ELASTIC_KV_RESERVE_MIN", "2")
+    named_env.setenv("ELASTIC_KV_RESERVE_MAX", "4")
     pool = _pure_pool()
     try:
         alloc = ElasticPureSWAAllocator(SIZE_SWA, 1, torch.float32, "cpu", pool, False)

@@ -25,14 +25,6 @@ SIZE, SIZE_SWA = 4096, 2048
 NAME = "swa-unit"
 
 
-@pytest.fixture
-def env(plugin_env: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """The plugin's unit-test environment, pool ``NAME``, 64-slot chunks."""
-    plugin_env.setenv("ELASTIC_KV_POOL_NAME", NAME)
-    plugin_env.setenv("ELASTIC_KV_SGLANG_TOKEN_CHUNK", "64")
-    return plugin_env
-
-
 def _swa_pool(page_size: int, pool_cls: Any = None, **kwargs: Any) -> Any:
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool
@@ -69,7 +61,7 @@ def _make(page_size: int) -> tuple[Any, Any]:
 
 
 @pytest.fixture(params=[1, 16], ids=["ps1", "ps16"])
-def swa(env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+def swa(named_env: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
     pool, alloc = _make(request.param)
     yield pool, alloc
     _close(pool)
@@ -111,7 +103,7 @@ def test_both_sub_pools_are_elastic_and_registered(swa: tuple[Any, Any], tmp_pat
     ):
         assert sub.get_kvcache() is sub_pool
         assert isinstance(sub, ElasticAllocatorMixin)
-    registry = Registry(tmp_path)  # the env fixture's registry directory
+    registry = Registry(tmp_path)  # the named_env fixture's registry directory
     full, swa_rec = registry.pool(f"{NAME}-full"), registry.pool(f"{NAME}-swa")
     assert full.engine == swa_rec.engine == "sglang"
     assert "mha-1l" in full.model and "mha-3l" in swa_rec.model
@@ -202,10 +194,12 @@ def test_a_side_that_cannot_back_leaves_nothing_taken_on_the_other(
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_free_group_returns_both_sides_after_the_next_step(env: pytest.MonkeyPatch, page_size: int) -> None:
+def test_free_group_returns_both_sides_after_the_next_step(
+    named_env: pytest.MonkeyPatch, page_size: int
+) -> None:
     """Release epochs as on a GPU (``defer_release``, the default there): the SWA side gets its step
     housekeeping from the composite's free groups, though SGLang opens no group on it."""
-    env.setenv("ELASTIC_KV_DEFER_RELEASE", "1")
+    named_env.setenv("ELASTIC_KV_DEFER_RELEASE", "1")
     pool, alloc = _make(page_size)
     try:
         _free_group_steps(pool, alloc)
@@ -277,7 +271,7 @@ def test_verify_byte_accounting_names_the_side(swa: tuple[Any, Any]) -> None:
     assert len(violations) == 1 and violations[0].startswith("swa: ")
 
 
-def test_sleep_unmaps_both_reserves(swa: tuple[Any, Any], env: pytest.MonkeyPatch) -> None:
+def test_sleep_unmaps_both_reserves(swa: tuple[Any, Any], named_env: pytest.MonkeyPatch) -> None:
     pool, alloc = swa
     assert _alloc(alloc, [300]) is not None
     alloc.clear()  # release_memory_occupation flushes the cache first
@@ -292,7 +286,7 @@ def test_sleep_unmaps_both_reserves(swa: tuple[Any, Any], env: pytest.MonkeyPatc
 # -- what is built, what is refused ------------------------------------------------------------------------
 
 
-def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatch) -> None:
+def test_builder_hook_makes_sglangs_swa_allocator_elastic(named_env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
     from sglang_elastic_kv.hooks import build_allocator_around, verify_configured_after
@@ -318,7 +312,7 @@ def test_builder_hook_makes_sglangs_swa_allocator_elastic(env: pytest.MonkeyPatc
         _close(pool)
 
 
-def test_non_elastic_or_mla_sub_pools_are_refused(env: pytest.MonkeyPatch) -> None:
+def test_non_elastic_or_mla_sub_pools_are_refused(named_env: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang_elastic_kv.allocator.swa import ElasticSWATokenToKVPoolAllocator
     from sglang_elastic_kv.pool import ElasticMHATokenToKVPool, ElasticMLATokenToKVPool
@@ -341,7 +335,7 @@ def test_non_elastic_or_mla_sub_pools_are_refused(env: pytest.MonkeyPatch) -> No
 
 
 def test_a_drain_of_the_sliding_window_side_reaches_the_requests_through_the_slot_map(
-    swa: tuple[Any, Any], env: pytest.MonkeyPatch
+    swa: tuple[Any, Any], named_env: pytest.MonkeyPatch
 ) -> None:
     """The request-to-token table holds full-attention slots; a drain of the sliding-window pool finds the
     requests holding its draining pages through SGLang's full-to-SWA slot map (``sglang_elastic_kv.drain``),
@@ -353,7 +347,7 @@ def test_a_drain_of_the_sliding_window_side_reaches_the_requests_through_the_slo
     from sglang_elastic_kv.hooks import follow_scheduler_after
 
     # SGLang's retraction order (published settings in a scheduler): the first request is retracted first.
-    env.setattr("sglang_elastic_kv.drain.retraction_order", lambda reqs: list(range(len(reqs)))[::-1])
+    named_env.setattr("sglang_elastic_kv.drain.retraction_order", lambda reqs: list(range(len(reqs)))[::-1])
     pool, alloc = swa
     # A long request whose tokens all left the window keeps 512 full-attention slots and no SWA slot, so
     # the requests below get full and SWA slots that differ (the map is not the identity).
