@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from elastic_kv.registry.budget import DeviceBudget
 from elastic_kv.registry.files import (
@@ -28,6 +30,24 @@ from elastic_kv.registry.reclaim import reclaim_dead
 __all__ = ["LimitNotFollowedError", "Registry", "UnknownDeviceError", "UnknownPoolError"]
 
 logger = logging.getLogger(__name__)
+
+
+_Info = TypeVar("_Info")
+
+
+def _read_pool(path: Path) -> PoolInfo | None:
+    """The record at ``path``; None (skipped) if it is gone or not of this layout version."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = read_record(fd)
+    finally:
+        os.close(fd)
+    if info is None:
+        logger.warning("skipping %s: not a record of layout version %d", path, RecordLayout.VERSION)
+    return info
 
 
 class UnknownPoolError(ValueError):
@@ -63,25 +83,17 @@ class Registry:
         """Reclaim dead owners' records and charges now (see :func:`reclaim_dead`); their pool names."""
         return reclaim_dead(self._config)
 
-    def pools(self, *, reclaim: bool = True) -> list[PoolInfo]:
-        """Every live pool, sorted by name (dead owners' records are reclaimed first unless told not to)."""
+    def _scan(self, suffix: str, read: Callable[[Path], _Info | None], reclaim: bool) -> list[_Info]:
+        """What ``read`` makes of each ``*suffix`` file, sorted by name, leaving out the None it returns for a
+        file it skips (dead owners' records are reclaimed first unless told not to)."""
         if reclaim:
             self.reclaim()
-        out = []
-        for path in sorted(self.directory.glob("*.pool")):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                info = read_record(fd)
-            finally:
-                os.close(fd)
-            if info is None:
-                logger.warning("skipping %s: not a record of layout version %d", path, RecordLayout.VERSION)
-            else:
-                out.append(info)
-        return out
+        found = (read(path) for path in sorted(self.directory.glob(f"*{suffix}")))
+        return [info for info in found if info is not None]
+
+    def pools(self, *, reclaim: bool = True) -> list[PoolInfo]:
+        """Every live pool, sorted by name (dead owners' records are reclaimed first unless told not to)."""
+        return self._scan(".pool", _read_pool, reclaim)
 
     def pool(self, name: str) -> PoolInfo:
         """The pool called ``name``: :class:`UnknownPoolError` if none, ``ValueError`` if malformed."""
@@ -93,22 +105,20 @@ class Registry:
 
     def devices(self, *, reclaim: bool = True) -> list[DeviceInfo]:
         """Every device that has a budget file, sorted by name."""
-        if reclaim:
-            self.reclaim()
-        out = []
-        for path in sorted(self.directory.glob("*.device")):
-            try:
-                budget = DeviceBudget.open(self.directory, path.stem, create=False)
-            except ValueError as exc:
-                logger.warning("skipping %s: %s", path, exc)
-                continue
-            if budget is None:
-                continue
-            try:
-                out.append(self._device_info(budget))
-            finally:
-                budget.close()
-        return out
+        return self._scan(".device", self._read_device, reclaim)
+
+    def _read_device(self, path: Path) -> DeviceInfo | None:
+        try:
+            budget = DeviceBudget.open(self.directory, path.stem, create=False)
+        except ValueError as exc:
+            logger.warning("skipping %s: %s", path, exc)
+            return None
+        if budget is None:
+            return None
+        try:
+            return self._device_info(budget)
+        finally:
+            budget.close()
 
     def device(self, device: str) -> DeviceInfo:
         """The budget of ``device``; :class:`UnknownDeviceError` if no pool or operator ever used it."""
