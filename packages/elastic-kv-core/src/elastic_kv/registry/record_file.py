@@ -14,6 +14,7 @@ import mmap
 import os
 import secrets
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_kv.errors import ConfigError
@@ -38,26 +39,19 @@ logger = logging.getLogger(__name__)
 _MAX_SUFFIX = 999
 
 
+@dataclass(eq=False)
 class OwnedRecord:
-    """The resources behind a PoolRecord; released exactly once, by close() or by the finalizer."""
+    """The resources behind a PoolRecord; released exactly once, by close() or by the finalizer. ``slot``:
+    the device budget slot once claimed (-1 before); ``owner_pid``: the process that created it."""
 
-    def __init__(
-        self,
-        config: RegistryConfig,
-        path: Path,
-        fd: int,
-        mapping: mmap.mmap,
-        budget: DeviceBudget,
-        token: int,
-    ) -> None:
-        self.config = config
-        self.path = path
-        self.fd = fd
-        self.map = mapping
-        self.budget = budget
-        self.token = token
-        self.slot = -1
-        self.owner_pid = os.getpid()
+    config: RegistryConfig
+    path: Path
+    fd: int
+    map: mmap.mmap
+    budget: DeviceBudget
+    token: int
+    slot: int = field(default=-1, init=False)
+    owner_pid: int = field(default_factory=os.getpid, init=False)
 
     def release(self) -> None:
         # A forked child inherits the mapping but is not the owner: it must not remove the record.
