@@ -316,3 +316,24 @@ def test_a_demotion_keeps_the_kept_requests_state_off_the_extent(
     finally:
         arena.close()
         arena.remove()
+
+
+@pytest.mark.parametrize(
+    ("version", "arena", "keeps"),
+    [((0, 26, 0), True, True), ((0, 26, 0), False, False), ((0, 32, 0), False, True)],
+)
+def test_a_sleep_keeps_its_requests_running_only_where_their_state_survives_it(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, version: tuple[int, int, int], arena: bool, keeps: bool
+) -> None:
+    # On 0.26 the state survives only through the plugin's sleep-mode backend, which needs a host arena;
+    # without one the requests are preempted (and computed again) as vLLM does, and the log says why.
+    from vllm_elastic_kv import compat
+    from vllm_elastic_kv.scheduler.scheduler import keeps_requests
+
+    env = {"ELASTIC_KV_PARK_KV": "1", **({"ELASTIC_KV_HOST_ARENA": str(tmp_path / "a")} if arena else {})}
+    plugin = PluginConfig.from_vllm_config(engine_args().create_engine_config(), env)
+    with caplog.at_level(logging.WARNING, logger="vllm_elastic_kv.scheduler.scheduler"):
+        assert keeps_requests(plugin, compat.support_for(version)) is keeps
+    assert ("ELASTIC_KV_PARK_KV ignored" in caplog.text) is not keeps
+    off = PluginConfig.from_vllm_config(engine_args().create_engine_config(), {"ELASTIC_KV_PARK_KV": "0"})
+    assert not keeps_requests(off, compat.support_for(version))

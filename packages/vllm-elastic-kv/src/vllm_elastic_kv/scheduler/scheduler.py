@@ -63,12 +63,31 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position
     raise TypeError(f"the scheduler was constructed without {name}")
 
 
+def keeps_requests(plugin: PluginConfig, support: compat.VersionSupport) -> bool:
+    """Whether a sleep that keeps its requests (``mode=keep``) leaves them running for the worker to park
+    their KV (``park_kv``). Only where their state on the device survives the sleep: vLLM keeps it (0.32 and
+    later), or the plugin's sleep-mode backend copies it (``VersionSupport.sleep_state_tags``), which it
+    is wherever a host arena is configured (:mod:`vllm_elastic_kv.worker.sleep`). Elsewhere they are
+    preempted, as vLLM does, and ``park_kv`` is said to be ignored."""
+    if not plugin.elastic.park_kv:
+        return False
+    if support.sleep_state_tags and plugin.elastic.host_arena is None:
+        logger.warning(
+            "ELASTIC_KV_PARK_KV ignored: vLLM %s discards the requests' state at a sleep, which the plugin "
+            "keeps only with a host arena (ELASTIC_KV_HOST_ARENA); a sleep preempts its requests",
+            support.label,
+        )
+        return False
+    return True
+
+
 class ElasticSchedulerMixin:
     """Mixed in before vLLM's scheduler class; see the module docstring."""
 
     elastic_pool: SchedulerPool
     elastic_fit: RequestFit
     elastic_stall: Stall
+    elastic_keeps_requests: bool
     kv_cache_manager: Any  # vLLM's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,6 +113,7 @@ class ElasticSchedulerMixin:
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
         self.elastic_pool = elastic = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
+        self.elastic_keeps_requests = keeps_requests(plugin, support)
         elastic.ledger.drain_order = functools.partial(drain_order, self)
         needs = RequestNeeds(kv_cache_config, vllm_config.model_config.max_model_len)
         self.elastic_fit = RequestFit(
@@ -183,8 +203,9 @@ class ElasticSchedulerMixin:
         """vLLM's ``reset_prefix_cache``; on success the pool returns its memory when idle, and this returns
         once it is free (``sleep`` resets the prefix cache to release the KV cache's memory).
 
-        With ``park_kv`` (``elastic-kv serve`` sets it: its engines' weights never change while asleep),
-        paused keeping its requests (a sleep with ``mode=keep``), a reset that would preempt the running
+        With ``park_kv`` (``elastic-kv serve`` sets it: its engines' weights never change while asleep) where
+        the requests' state survives a sleep (:func:`keeps_requests`), paused keeping its requests (a sleep
+        with ``mode=keep``), a reset that would preempt the running
         requests leaves them and their blocks alone: the worker's sleep parks their pages in host memory
         instead, and its wake-up brings them back (:mod:`vllm_elastic_kv.worker.parking`), so they go on
         where they were rather than being computed again. Only the empty reserve is returned here. Without
@@ -193,7 +214,7 @@ class ElasticSchedulerMixin:
         reset_running = bool(args[0] if args else kwargs.get("reset_running_requests", False))
         if (
             reset_running
-            and self.elastic_pool.plugin.elastic.park_kv
+            and self.elastic_keeps_requests
             and self.running  # type: ignore[attr-defined]
             and self.pause_state == PauseState.PAUSED_ALL  # type: ignore[attr-defined]
         ):
