@@ -335,5 +335,9 @@ def test_a_sleep_keeps_its_requests_running_only_where_their_state_survives_it(
     with caplog.at_level(logging.WARNING, logger="vllm_elastic_kv.scheduler.scheduler"):
         assert keeps_requests(plugin, compat.support_for(version)) is keeps
     assert ("ELASTIC_KV_PARK_KV ignored" in caplog.text) is not keeps
+    # 0.26's wake-up zeroes a quantized KV cache, the kept requests' blocks on the null block's page too
+    assert keeps_requests(plugin, compat.support_for(version), "fp8_e4m3") is (
+        keeps and version >= (0, 32, 0)
+    )
     off = PluginConfig.from_vllm_config(engine_args().create_engine_config(), {"ELASTIC_KV_PARK_KV": "0"})
     assert not keeps_requests(off, compat.support_for(version))

@@ -63,18 +63,23 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position
     raise TypeError(f"the scheduler was constructed without {name}")
 
 
-def keeps_requests(plugin: PluginConfig, support: compat.VersionSupport) -> bool:
+def keeps_requests(
+    plugin: PluginConfig, support: compat.VersionSupport, kv_cache_dtype: str = "auto"
+) -> bool:
     """Whether a sleep that keeps its requests (``mode=keep``) leaves them running for the worker to park
     their KV (``park_kv``). Only where their state on the device survives the sleep: vLLM keeps it (0.32 and
     later), or the plugin's sleep-mode backend copies it (``VersionSupport.sleep_state_tags``), which it
-    is wherever a host arena is configured (:mod:`vllm_elastic_kv.worker.sleep`). Elsewhere they are
-    preempted, as vLLM does, and ``park_kv`` is said to be ignored."""
+    is wherever a host arena is configured (:mod:`vllm_elastic_kv.worker.sleep`) -- and, on those versions,
+    only with an unquantized KV cache: their wake-up zeroes a quantized one (``post_kv_cache_wake_up``),
+    kept requests' blocks on the null block's page with it. Elsewhere they are preempted, as vLLM does, and
+    ``park_kv`` is said to be ignored."""
     if not plugin.elastic.park_kv:
         return False
-    if support.sleep_state_tags and plugin.elastic.host_arena is None:
+    if support.sleep_state_tags and (plugin.elastic.host_arena is None or kv_cache_dtype.startswith("fp8")):
         logger.warning(
             "ELASTIC_KV_PARK_KV ignored: vLLM %s discards the requests' state at a sleep, which the plugin "
-            "keeps only with a host arena (ELASTIC_KV_HOST_ARENA); a sleep preempts its requests",
+            "keeps only with a host arena (ELASTIC_KV_HOST_ARENA) and an unquantized KV cache; a sleep "
+            "preempts its requests",
             support.label,
         )
         return False
@@ -113,7 +118,7 @@ class ElasticSchedulerMixin:
         ):
             raise RuntimeError("vLLM built its KV cache manager without the elastic classes")
         self.elastic_pool = elastic = SchedulerPool(plugin, support, vllm_config, kv_cache_config, pool)
-        self.elastic_keeps_requests = keeps_requests(plugin, support)
+        self.elastic_keeps_requests = keeps_requests(plugin, support, vllm_config.cache_config.cache_dtype)
         elastic.ledger.drain_order = functools.partial(drain_order, self)
         needs = RequestNeeds(kv_cache_config, vllm_config.model_config.max_model_len)
         self.elastic_fit = RequestFit(
