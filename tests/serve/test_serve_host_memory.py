@@ -272,14 +272,15 @@ def test_the_arena_holds_the_copies_of_the_models_used_most_recently(tmp_path: P
     demote a level-1 sleep (``demote_path``). ``x``, ``y``, ``z`` are asked in turn: ``x`` (least recently
     used) sleeps at level 1 for ``z``. Then ``y`` idles into sleep; it was used after ``x``, so ``x`` is
     demoted to level 2 (its extent given back) and ``y`` sleeps at level 1. ``x``'s next wake reads its
-    weights from its checkpoint and answers from them."""
+    weights from its checkpoint and answers from them. ``y`` idles for 6 s before it sleeps: long enough
+    that, on a loaded machine, ``z`` is asked (and ``x`` put to sleep for it) before."""
     (tmp_path / "d").mkdir()
     extra = {"demote_path": "/demote"}
     srv = ServeProcess(
         tmp_path / "d",
         {"budget": "20M", "host_budget": "10M", "start_parallel": 2, "wake_timeout_s": 120},
         [_toy("x", tmp_path, 1, delay=0.2, **extra),
-         _toy("y", tmp_path, 2, delay=0.2, idle_sleep_s=2, **extra),
+         _toy("y", tmp_path, 2, delay=0.2, idle_sleep_s=6, **extra),
          _toy("z", tmp_path, 3, delay=0.2, **extra)],
     )  # fmt: skip
     try:
