@@ -54,6 +54,29 @@ def test_extents_are_aligned_first_fit_and_given_back(arena_path: Path) -> None:
     arena.close()
 
 
+def test_would_take_places_extents_in_order_as_take_would_and_skips_the_ones_that_do_not_fit(
+    arena_path: Path,
+) -> None:
+    """What a sleep that parks its KV and then copies its weights needs to know before it asks: the KV's
+    extent first, then the weights'; one that finds no room is skipped (the KV stays on the device) and the
+    next one tried. Nothing is taken by asking."""
+    arena = HostArena.create(arena_path, 10 * MiB)
+    held = arena.take(2 * MiB, "held")
+    assert held is not None
+    assert arena.would_take([3 * MiB, 4 * MiB]) == [True, True]  # 4 MiB (aligned) + 4 MiB in 8 MiB
+    assert arena.would_take([4 * MiB, 5 * MiB]) == [True, False]
+    assert arena.would_take([9 * MiB, 4 * MiB]) == [False, True]  # the first skipped, the second placed
+    assert arena.would_take([0, 8 * MiB]) == [True, True]
+    assert arena.used_bytes() == 2 * MiB
+    arena.give_back(held)
+    middle = arena.take(2 * MiB, "low")  # at 0; then a hole at 2-4 MiB once 'low' goes back
+    high = arena.take(2 * MiB, "high")
+    assert middle is not None and high is not None
+    arena.give_back(middle)
+    assert arena.would_take([2 * MiB, 6 * MiB, ALIGN]) == [True, True, False]  # first fit: 0, 4, full
+    arena.close()
+
+
 def test_bytes_written_through_one_mapping_are_read_through_another(arena_path: Path) -> None:
     arena = HostArena.create(arena_path, 4 * MiB)
     extent = arena.take(MiB, "w")

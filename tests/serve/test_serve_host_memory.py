@@ -834,8 +834,9 @@ def test_a_suspended_engine_that_dies_is_started_again_and_its_kept_request_serv
         assert now["state"] == "awake" and not now["suspended"] and now["host_bytes"] == 0, now
 
 
+@pytest.mark.parametrize(("host_budget", "level"), [("60M", "1"), ("30M", "2")])
 def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_made_room_for(
-    tmp_path: Path,
+    tmp_path: Path, host_budget: str, level: str
 ) -> None:
     """Engines that park a suspension's KV in host memory (the vLLM plugin's way; the toy's
     ``--park-keep``): its pool stays charged for it, but the device holds none of it. ``a`` serves with
@@ -844,7 +845,11 @@ def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_m
     and the server raises the device's
     KV budget by what ``a`` parked, so ``b``'s KV grows into it at once instead of waiting for ``a``'s turn
     to come back; once ``b`` is idle, ``a`` wakes with room for its parked KV and goes on without giving any
-    of it back (no preemption), both answers being their weights'."""
+    of it back (no preemption), both answers being their weights'. The engine parks the KV in the host
+    arena before it copies its weights there: with a 30 MiB arena (10 MiB of it ``b``'s level-1 copy) the
+    KV fits but the weights (15 MiB) do not fit beside it, so the suspension is level 2 (the weights read
+    again at the wake) -- a level 1 would have copied them outside the host budget (vLLM's own host
+    copies; the toy refuses it)."""
 
     def toy(name: str, seed: int, idle_sleep_s: float) -> dict[str, Any]:
         model = _toy(name, tmp_path, seed, delay=0.2, weights_bytes="15M", idle_sleep_s=idle_sleep_s)
@@ -855,8 +860,8 @@ def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_m
     (tmp_path / "serve").mkdir()
     srv = ServeProcess(
         tmp_path / "serve",
-        {"budget": "40M", "host_budget": "60M", "min_awake_s": 1, "max_suspend_s": 60, "wake_timeout_s": 120,
-         "kv_headroom": "1M", "kv_share_min_weights": 1},
+        {"budget": "40M", "host_budget": host_budget, "min_awake_s": 1, "max_suspend_s": 60,
+         "wake_timeout_s": 120, "kv_headroom": "1M", "kv_share_min_weights": 1},
         [toy("a", 1, 0), toy("b", 2, 1)],
     )  # fmt: skip
     pool = ThreadPoolExecutor(2)
@@ -877,7 +882,7 @@ def test_a_suspended_model_that_parks_its_kv_gives_that_memory_to_the_model_it_m
         status = srv.status()
         suspend, resume = status["a"]["transitions"][-2:]
         assert (suspend["kind"], resume["kind"]) == ("suspend", "resume")
-        assert (suspend["kept"], suspend["parked_bytes"]) == (1, 16 * MiB), suspend
+        assert (suspend["level"], suspend["kept"], suspend["parked_bytes"]) == (level, 1, 16 * MiB), suspend
         assert status["a"]["parked_kv_bytes"] == 0
         stats = httpx.get(f"http://127.0.0.1:{status['a']['port']}/stats", timeout=10).json()
         assert stats["suspended"] == 1 and stats["preemptions"] == 0, stats

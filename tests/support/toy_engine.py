@@ -21,9 +21,11 @@ engine stays as it is), ``POST /demote`` (asleep at level 1: the extent given ba
 then on; otherwise 409). ``&mode=keep`` suspends the running requests, as vLLM's ``mode=keep`` does: they give
 their KV back (preempted) and pause while it sleeps, then grow it again and finish after the wake-up;
 with ``--park-keep`` they keep it instead, as the vLLM plugin parks it in host memory (its charge stays on
-the record), and the sleep answers ``{"parked_bytes": N}``; ``--refuse-keep`` answers such a sleep with 409
-and stays awake. ``GET /stats``: preemptions, and the
-requests suspended by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
+the record): in an extent of the arena taken before the weights', where one fits (else it stays on the
+device and counts as not parked), and the sleep answers ``{"parked_bytes": N}``. A level-1 sleep the arena
+has no room for left is refused (500, still awake): the server must not ask for it. ``--refuse-keep``
+answers a keep-mode sleep with 409 and stays awake. ``GET /stats``: preemptions, and the requests suspended
+by a sleep. ``POST /fail_core``: the engine's core dies behind its live server, as vLLM's
 engine core can while its API server waits for clients to close their connections: ``/health`` answers 503
 from then on, and completions, sleeps and wakes wait for an answer that never comes. A completion whose
 body names a file in ``die_once`` that does not exist yet creates it and ends the process at once, holding
@@ -77,6 +79,7 @@ class Engine:
         self.arena = HostArena.open(Path(path)) if path else None
         self.owner = os.environ.get("ELASTIC_KV_POOL_NAME", "toy")
         self.extent: Extent | None = None
+        self.kv_extent: Extent | None = None  # a suspension's parked KV
         self.level = 0
         self.running: list[list[int]] = []  # KV each running request holds, oldest first
         self.preemptions = 0
@@ -122,19 +125,30 @@ class Engine:
                 self.preemptions += 1
             self.suspended += 1
 
+    def park(self, nbytes: int) -> int:
+        """A suspension's KV into an arena extent (where there is an arena); the bytes parked (0: no room)."""
+        if self.arena is None or not nbytes:
+            return nbytes
+        self.kv_extent = self.arena.take(nbytes, self.owner)
+        return nbytes if self.kv_extent is not None else 0
+
     def sleep(self, level: int) -> None:
         assert self.weights is not None, "asleep already"
-        self.awake.clear()
         if level == 1:
-            if self.arena is None:
-                raise RuntimeError("level 1 needs a host arena")
-            extent = self.arena.take(len(self.weights), self.owner)
+            extent = self.arena.take(len(self.weights), self.owner) if self.arena is not None else None
             if extent is None:
-                raise RuntimeError("the host arena has no room")
-            self.arena.view(extent)[: len(self.weights)] = self.weights
+                self.unpark()
+                raise RuntimeError("level 1 needs room in a host arena")
+            self.arena.view(extent)[: len(self.weights)] = self.weights  # type: ignore[union-attr]
             self.extent = extent
+        self.awake.clear()
         self.weights = None
         self.level = level
+
+    def unpark(self) -> None:
+        if self.arena is not None and self.kv_extent is not None:
+            self.arena.give_back(self.kv_extent)
+        self.kv_extent = None
 
     def demote(self) -> None:
         """Asleep at level 1: give the arena extent back and be asleep at level 2."""
@@ -156,6 +170,7 @@ class Engine:
             self.extent = None
         else:
             self.weights = (self.model / WEIGHTS).read_bytes()
+        self.unpark()
         self.level = 0
         self.awake.set()
 
@@ -228,9 +243,10 @@ def build_app(engine: Engine, refuse_keep: bool = False, park_keep: bool = False
             if refuse_keep:
                 return JSONResponse({"error": "this engine cannot keep requests asleep"}, status_code=409)
             if park_keep:
-                engine.suspended += len(engine.running)
+                parked = engine.park(sum(held[0] for held in engine.running))
                 engine.sleep(level)
-                return {"level": level, "parked_bytes": sum(held[0] for held in engine.running)}
+                engine.suspended += len(engine.running)
+                return {"level": level, "parked_bytes": parked}
             engine.preempt_all()
         engine.sleep(level)
         return {"level": level}

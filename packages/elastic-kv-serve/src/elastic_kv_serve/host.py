@@ -98,14 +98,19 @@ class HostMemory:
         """Give back the extents of engines that died; the bytes reclaimed."""
         return sum(e.size for e in self.arena.reclaim_dead()) if self.arena is not None else 0
 
-    def level_for(self, kind: EngineKind, model: ModelConfig, need_bytes: int) -> int:
+    def fits(self, *sizes: int) -> bool:
+        """Whether extents of ``sizes``, taken one after another, all fit in the arena now."""
+        return self.arena is not None and all(self.arena.would_take(sizes))
+
+    def level_for(self, kind: EngineKind, model: ModelConfig, need_bytes: int, parked_bytes: int = 0) -> int:
         """The sleep level for ``model`` (of ``kind``) whose level-1 copy takes ``need_bytes``: 1 when its
-        copy fits (the arena's largest free extent, or the host's available memory for engines that keep it
-        themselves), else 2 where the model's weights can be reloaded, else 0 (stop the engine)."""
+        copy fits (in the arena, after the ``parked_bytes`` of KV a suspension parks there first where they
+        fit; or in the host's available memory for engines that keep it themselves), else 2 where the
+        model's weights can be reloaded, else 0 (stop the engine)."""
         levels = kind.levels_for(model)
         if 1 in levels:
             if kind.uses_arena:
-                fits = self.arena is not None and self.arena.largest_free() >= need_bytes
+                fits = self.arena is not None and self.arena.would_take([parked_bytes, need_bytes])[-1]
             else:
                 memory = psutil.virtual_memory()
                 fits = memory.available - need_bytes >= HOST_RESERVE_FRACTION * memory.total

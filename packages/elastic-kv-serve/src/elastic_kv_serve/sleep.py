@@ -50,8 +50,9 @@ class SleepMoves:
         t0 = time.monotonic()
         kind = kind_of(rt.config)
         async with self._host_lock:
-            await self._arena_room_for(rt, rt.kv_bytes)  # its KV parks there too, where the engine can
-            level = fleet.host.level_for(kind, rt.config, rt.level_one_bytes)
+            # the engine parks its KV there first (where it fits), then copies its weights at level 1
+            await self._arena_room_for(rt, rt.kv_bytes)
+            level = fleet.host.level_for(kind, rt.config, rt.level_one_bytes, parked_bytes=rt.kv_bytes)
             if not level:  # the host arena filled since the choice: a stop would lose its requests
                 rt.set_state(State.AWAKE)
                 return
@@ -146,10 +147,9 @@ class SleepMoves:
         start is under way is left alone; an engine that refuses is not asked again until it restarts."""
         fleet = self.fleet
         kind = kind_of(rt.config)
-        need = rt.level_one_bytes + extra
         if not kind.uses_arena or 1 not in kind.levels_for(rt.config):
             return
-        if fleet.host.level_for(kind, rt.config, need) == 1:
+        if fleet.host.fits(extra, rt.level_one_bytes):
             return
         asleep = {
             o.name: o
@@ -181,5 +181,5 @@ class SleepMoves:
                 other.record("demote", "2", took)
                 await fleet.refresh_host()
             logger.info("model %s is demoted to level 2 (%.2f s) for %s", other.name, took, rt.name)
-            if fleet.host.level_for(kind, rt.config, need) == 1:
+            if fleet.host.fits(extra, rt.level_one_bytes):
                 return

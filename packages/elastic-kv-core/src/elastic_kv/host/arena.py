@@ -38,7 +38,7 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +232,20 @@ class HostArena:
     def largest_free(self) -> int:
         """The largest extent a :meth:`take` could return now (ignoring extents of dead owners)."""
         return max((size for _, size in self._gaps(self.extents())), default=0)
+
+    def would_take(self, sizes: Sequence[int]) -> list[bool]:
+        """Which of extents of ``sizes``, taken one after another now, :meth:`take` would place: one that
+        finds no room is skipped and the next one tried, as a caller that goes on without it would (read
+        without the lock, ignoring extents of dead owners; sizes of 0 are placed, taking nothing)."""
+        taken = self.extents()
+        out = []
+        for nbytes in sizes:
+            size = _aligned(nbytes) if nbytes > 0 else 0
+            fit = next((off for off, gap in self._gaps(taken) if gap >= size), None) if size else 0
+            if fit is not None and size:
+                taken = sorted([*taken, Extent(fit, size, 0, "")], key=lambda e: e.offset)
+            out.append(fit is not None)
+        return out
 
     def _gaps(self, taken: list[Extent]) -> Iterator[tuple[int, int]]:
         at = 0
