@@ -118,9 +118,9 @@ class Family:
 
     def core_env(self) -> dict[str, str]:
         """Where its engine cores run, reference and elastic alike (:data:`vllm_engines.IN_PROCESS`): in
-        the calling process, but n-gram drafts' (they import numba) and any started after llvmlite was."""
+        the calling process, but n-gram drafts' (they import numba)."""
         spec = self.engine.get("speculative_config") or {}
-        return SPAWNED if spec.get("method") == "ngram" or "llvmlite" in sys.modules else IN_PROCESS
+        return SPAWNED if spec.get("method") == "ngram" else IN_PROCESS
 
 
 FAMILIES: dict[str, Family] = {
@@ -371,8 +371,8 @@ def _reference_key(family: Family) -> str:
             family.sequential,
             family.hit_run,
             family.kwargs(model="m"),
+            family.core_env(),
             compute_threads(),
-            "engine core in its own process",
         ],
         sort_keys=True,
         default=str,
@@ -488,7 +488,9 @@ def _reference(family: Family) -> dict[str, Any]:
 @contextmanager
 def family_engine(family: Family, registry_dir: Path) -> Iterator[Any]:
     """The family's elastic engine (pool ``family.name``), with :data:`vllm_engines.TEST_ENV`."""
-    env = {**TEST_ENV, **family.core_env(), "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
+    # spawned where this process imported llvmlite already (see IN_PROCESS): it could not start here
+    core = SPAWNED if "llvmlite" in sys.modules else family.core_env()
+    env = {**TEST_ENV, **core, "ELASTIC_KV_REGISTRY_DIR": str(registry_dir)}
     try:
         with elastic_llm(env, family.name, **family.kwargs(disable_log_stats=False)) as engine:
             yield engine
